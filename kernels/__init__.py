@@ -1,0 +1,1 @@
+"""miniTE's Triton kernels (imported as ``minite_kernels``), reached through ``minite_common``."""

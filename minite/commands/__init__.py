@@ -1,0 +1,1 @@
+"""Subcommands of the ``minite`` CLI, one module each (see :mod:`minite.cli`)."""

@@ -1,0 +1,34 @@
+"""miniTE's numerical core: the NVFP4 recipe, quantizer and W4A4 linear that both engines call."""
+
+from .autograd import nvfp4_dgrad, nvfp4_wgrad, w4a4_linear_train
+from .hadamard import random_hadamard_transform, rht_matrix
+from .linear import exact_block_dot, gemm_path, nvfp4_gemm, quantize_weight, w4a4_linear
+from .nvfp4 import NVFP4Tensor, cat_rows, dequantize_nvfp4, quantize_nvfp4, unpack_codes
+from .recipe import (
+    DEFAULT_RECIPE,
+    NVFP4Recipe,
+    RecipeMismatchError,
+    check_fingerprints,
+)
+
+__all__ = [
+    "DEFAULT_RECIPE",
+    "NVFP4Recipe",
+    "NVFP4Tensor",
+    "RecipeMismatchError",
+    "cat_rows",
+    "check_fingerprints",
+    "dequantize_nvfp4",
+    "exact_block_dot",
+    "gemm_path",
+    "nvfp4_dgrad",
+    "nvfp4_gemm",
+    "nvfp4_wgrad",
+    "quantize_nvfp4",
+    "quantize_weight",
+    "random_hadamard_transform",
+    "rht_matrix",
+    "unpack_codes",
+    "w4a4_linear",
+    "w4a4_linear_train",
+]

@@ -1,0 +1,39 @@
+"""The random Hadamard transform (RHT) that the learner applies to wgrad operands.
+
+Transformer Engine's NVFP4 recipe: a 16-point Sylvester Hadamard matrix with a fixed sign
+vector, scaled by 1/4 (so ``T @ T.T == I``), applied to blocks of 16 along the reduction (token)
+dimension of both wgrad operands, the result rounded to BF16 before it is quantized. Because the
+same orthogonal ``T`` multiplies both operands, ``(G T)(X T)^T == G X^T`` up to quantization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RHT_SIZE = 16
+#: Transformer Engine's fixed wgrad sign vector.
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def rht_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16x16 float32 matrix ``diag(signs) @ H16 / 4`` (orthogonal)."""
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
+    while h.shape[0] < RHT_SIZE:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)
+    return (signs.unsqueeze(1) * h) * 0.25
+
+
+def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Apply the RHT to blocks of 16 along the last dimension of ``x``; returns BF16.
+
+    The last dimension must be a multiple of 16 (pad tokens with zeros, which the transform keeps
+    zero and which add nothing to a wgrad product).
+    """
+    if x.shape[-1] % RHT_SIZE:
+        raise ValueError(
+            f"random_hadamard_transform: last dimension {x.shape[-1]} is not a multiple of 16; "
+            "zero-pad the token dimension first"
+        )
+    blocks = x.float().reshape(-1, RHT_SIZE)
+    return (blocks @ rht_matrix(x.device)).reshape(x.shape).to(torch.bfloat16)

@@ -1,0 +1,160 @@
+"""The W4A4 linear: ``y[m,n] = out_dtype(f32(f32(acc[m,n] * a_dec[m]) * w_dec[n]) + bias[n])``.
+
+``acc`` is the sum over K of the block products ``(a_code*a_scale) * (w_code*w_scale)``. The torch
+path computes that sum *exactly* and rounds it once to float32, so its result depends on nothing
+but the two rows involved: not on batch size, row position, thread count or BLAS blocking. How:
+every ``code*scale`` is an integer multiple of 2^-10 (E2M1 codes are multiples of 1/2, E4M3
+scales multiples of 2^-9), so ``acc * 2^20`` is an integer dot product. Splitting one integer
+operand into 11-bit halves keeps every partial sum of two float64 GEMMs below 2^53, where
+float64 arithmetic is exact in any order; the halves are recombined in int64 and rounded to
+float32 (nearest even) in integer arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nvfp4 import (
+    BLOCK,
+    E2M1_VALUES,
+    FLOAT_DTYPES,
+    NVFP4Tensor,
+    check_quantizable,
+    quantize_nvfp4,
+    unpack_codes,
+)
+from .recipe import DEFAULT_RECIPE, NVFP4Recipe, check_fingerprints
+
+_SCALE_UNIT = 512  # E4M3 values are integer multiples of 2^-9
+_PRODUCT_SHIFT = 20  # (code*2 * scale*512) products carry 2^-20
+_SPLIT_BITS = 11
+MAX_K = 2**19  # keeps every float64 partial sum of the split products below 2^53
+
+
+def _integer_operand(t: NVFP4Tensor) -> torch.Tensor:
+    """``code*scale*2^10`` as exact integers in float64, ``[rows, K]``."""
+    lut = torch.tensor([2.0 * v for v in E2M1_VALUES], dtype=torch.float64, device=t.device)
+    codes = lut[unpack_codes(t.codes).long()]
+    units = t.scales.float().double() * _SCALE_UNIT
+    return codes * units.repeat_interleave(BLOCK, dim=1)
+
+
+def _round_int64_to_float32(v: torch.Tensor) -> torch.Tensor:
+    """Round int64 values to the nearest float32 (ties to even) without double rounding."""
+    negative = v < 0
+    mag = v.abs()
+    _, exponent = torch.frexp(mag.double())  # bit length, or one more if the double rounded up
+    exponent = exponent.long()
+    too_long = (exponent > 0) & ((mag >> (exponent - 1).clamp(min=0)) == 0)
+    bit_length = exponent - too_long.long()
+    shift = (bit_length - 24).clamp(min=0)
+    kept = mag >> shift
+    dropped = mag - (kept << shift)
+    half = (torch.ones_like(shift) << shift) >> 1
+    round_up = (shift > 0) & ((dropped > half) | ((dropped == half) & ((kept & 1) == 1)))
+    rounded = torch.ldexp((kept + round_up.long()).double(), shift.double()).float()
+    return torch.where(negative, -rounded, rounded)
+
+
+def exact_block_dot(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """``acc[m,n]``: the exact sum of block products of ``a`` [M,K] and ``w`` [N,K], in float32."""
+    if a.cols > MAX_K:
+        raise ValueError(f"K={a.cols} exceeds the exact torch GEMM's limit of {MAX_K}")
+    a_int = _integer_operand(a)
+    w_int = _integer_operand(w)
+    a_high = torch.floor(a_int / 2**_SPLIT_BITS)
+    a_low = a_int - a_high * 2**_SPLIT_BITS
+    high = (a_high @ w_int.T).long()
+    low = (a_low @ w_int.T).long()
+    acc = _round_int64_to_float32((high << _SPLIT_BITS) + low)
+    return acc * 2.0**-_PRODUCT_SHIFT
+
+
+def gemm_path(device: torch.device | str) -> str:
+    """Name of the GEMM implementation :func:`nvfp4_gemm` runs on ``device``."""
+    return "torch-exact-f64"
+
+
+def nvfp4_gemm(
+    a: NVFP4Tensor,
+    w: NVFP4Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``a @ w.T`` for NVFP4 operands ``a`` [M,K] and ``w`` [N,K], with the contract's epilogue."""
+    if a.cols != w.cols:
+        raise ValueError(
+            f"NVFP4 GEMM: activation has K={a.cols} but the weight has K={w.cols} (weight shape "
+            f"{list(w.shape)}); the input's last dimension must equal the layer's input size"
+        )
+    if a.device != w.device:
+        raise ValueError(f"NVFP4 GEMM: activation on {a.device}, weight on {w.device}")
+    acc = exact_block_dot(a, w)
+    a_dec = a.decode_scale.unsqueeze(-1) if a.decode_scale.dim() else a.decode_scale
+    y = (acc * a_dec) * w.decode_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def check_weight(w: object, recipe: NVFP4Recipe, where: str = "w4a4_linear") -> NVFP4Tensor:
+    """Return ``w`` if it is an NVFP4 weight quantized under ``recipe``, else raise clearly."""
+    if not isinstance(w, NVFP4Tensor):
+        raise TypeError(
+            f"{where}: the weight must be an NVFP4Tensor (use quantize_weight(w) once), got "
+            f"{type(w).__name__}"
+        )
+    check_fingerprints(recipe.fingerprint(), w.recipe_fingerprint, f"{where}: weight")
+    return w
+
+
+def w4a4_linear(
+    x: torch.Tensor,
+    w: NVFP4Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    recipe: NVFP4Recipe = DEFAULT_RECIPE,
+) -> torch.Tensor:
+    """NVFP4 W4A4 linear: quantize ``x`` [..., K] per row, multiply by ``w`` [N, K], x's dtype out.
+
+    Batch-invariant and deterministic: each output row depends only on its own input row.
+    Rows containing NaN/Inf come out NaN.
+    """
+    check_weight(w, recipe)
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            "w4a4_linear: x must be a float32, bfloat16 or float16 tensor, got "
+            f"{getattr(x, 'dtype', type(x).__name__)}"
+        )
+    if x.shape[-1] != w.cols:
+        raise ValueError(
+            f"w4a4_linear: x has last dimension {x.shape[-1]} but the weight is "
+            f"{list(w.shape)} (expects {w.cols})"
+        )
+    if bias is not None and bias.shape != (w.rows,):
+        raise ValueError(f"w4a4_linear: bias must have shape [{w.rows}], got {list(bias.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe)
+    y = nvfp4_gemm(a, w, bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], w.rows)
+
+
+def quantize_weight(
+    w: torch.Tensor,
+    *,
+    recipe: NVFP4Recipe = DEFAULT_RECIPE,
+    name: str = "weight",
+    global_amax: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """Quantize a linear weight [N, K] the recipe's way (per-tensor amax, 16x16 blocks by default).
+
+    Raises, naming ``name``, on NaN/Inf values or a shape NVFP4 cannot hold, so a bad checkpoint
+    or weight update never becomes a silently wrong layer.
+    """
+    check_quantizable(w, name)
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"{name}: weight holds {bad} NaN/Inf values; refusing to quantize it")
+    return quantize_nvfp4(
+        w, amax="tensor", block_2d=recipe.weight_block_2d, recipe=recipe, global_amax=global_amax
+    )
