@@ -1,1 +1,1 @@
-"""miniTE's command line and demo: wires the vLLM plugin, the Megatron spec and the core together."""
+"""miniTE's command line and demo: wire the vLLM plugin, the Megatron spec and the core."""

@@ -2,7 +2,14 @@
 
 from .autograd import nvfp4_dgrad, nvfp4_wgrad, w4a4_linear_train
 from .hadamard import random_hadamard_transform, rht_matrix
-from .linear import exact_block_dot, gemm_path, nvfp4_gemm, quantize_weight, w4a4_linear
+from .linear import (
+    exact_block_dot,
+    gemm_path,
+    grouped_w4a4_linear,
+    nvfp4_gemm,
+    quantize_weight,
+    w4a4_linear,
+)
 from .nvfp4 import NVFP4Tensor, cat_rows, dequantize_nvfp4, quantize_nvfp4, unpack_codes
 from .recipe import (
     DEFAULT_RECIPE,
@@ -21,6 +28,7 @@ __all__ = [
     "dequantize_nvfp4",
     "exact_block_dot",
     "gemm_path",
+    "grouped_w4a4_linear",
     "nvfp4_dgrad",
     "nvfp4_gemm",
     "nvfp4_wgrad",

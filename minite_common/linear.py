@@ -158,3 +158,35 @@ def quantize_weight(
     return quantize_nvfp4(
         w, amax="tensor", block_2d=recipe.weight_block_2d, recipe=recipe, global_amax=global_amax
     )
+
+
+def grouped_w4a4_linear(
+    x: torch.Tensor,
+    w: NVFP4Tensor,
+    group_sizes: torch.Tensor | list[int],
+    *,
+    recipe: NVFP4Recipe = DEFAULT_RECIPE,
+) -> torch.Tensor:
+    """W4A4 linear for MoE experts: ``x`` [T, K] holds rows grouped by expert (group g has
+    ``group_sizes[g]`` consecutive rows); ``w`` stacks the G expert weights as [G*N, K].
+
+    Row t of group g gives bitwise what ``w4a4_linear(x[t:t+1], expert g's weight)`` gives.
+    """
+    check_weight(w, recipe, "grouped_w4a4_linear")
+    sizes = [int(s) for s in group_sizes]
+    if w.rows % max(len(sizes), 1) or sum(sizes) != x.shape[0]:
+        raise ValueError(
+            f"grouped_w4a4_linear: {len(sizes)} groups of {sizes} rows do not fit x "
+            f"{list(x.shape)} and stacked weight {list(w.shape)}"
+        )
+    n = w.rows // len(sizes)
+    a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    start = 0
+    for g, size in enumerate(sizes):
+        if size:
+            out[start : start + size] = nvfp4_gemm(
+                a.narrow_rows(start, size), w.narrow_rows(g * n, n), out_dtype=x.dtype
+            )
+        start += size
+    return out

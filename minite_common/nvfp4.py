@@ -20,7 +20,24 @@ FLT_MAX = torch.finfo(torch.float32).max
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The value of each 4-bit E2M1 code (bit 3 is the sign).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 # Rounding thresholds on |v| between consecutive E2M1 magnitudes, ties to the even code: a
 # magnitude moves past threshold i when it is greater (strict) or at least (inclusive) the value.
@@ -249,7 +266,9 @@ def quantize_nvfp4(
         amax_v = _given_amax(global_amax, amax, rows, x.device)
     s_enc = global_encode_scale(amax_v)
     s_dec = torch.ones_like(s_enc) / s_enc
-    s_enc_b, s_dec_b = (s_enc.unsqueeze(-1), s_dec.unsqueeze(-1)) if amax == "row" else (s_enc, s_dec)
+    s_enc_b, s_dec_b = (
+        (s_enc.unsqueeze(-1), s_dec.unsqueeze(-1)) if amax == "row" else (s_enc, s_dec)
+    )
 
     sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
     block_scale_f32 = torch.clamp(_block_amax(x32, block_2d) * (s_enc_b * sixth), max=E4M3_MAX)

@@ -1,4 +1,4 @@
-"""The NVFP4 recipe: one frozen description of how both engines quantize, with a stable fingerprint."""
+"""The NVFP4 recipe: one frozen description of how both engines quantize, and its fingerprint."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ class NVFP4Recipe:
 
     The forward fields (block size, 2D weight blocks, activation amax) fix the bits that both
     engines compute; the learner-only fields (stochastic rounding, RHT) shape gradients only.
-    ``bf16_modules`` are regular expressions over HF-style module names (``model.layers.0.mlp.gate``)
-    whose layers stay in high precision, as do the first and last ``bf16_first_layers`` /
-    ``bf16_last_layers`` decoder layers.
+    ``bf16_modules`` are regular expressions over HF-style module names
+    (``model.layers.0.mlp.gate``) whose layers stay in high precision, as do the first
+    ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers.
     """
 
     block_size: int = 16

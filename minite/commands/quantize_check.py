@@ -24,8 +24,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minite_common import DEFAULT_RECIPE, gemm_path, quantize_nvfp4, quantize_weight
-    from minite_common import w4a4_linear
+    from minite_common import (
+        DEFAULT_RECIPE,
+        gemm_path,
+        quantize_nvfp4,
+        quantize_weight,
+        w4a4_linear,
+    )
     from minite_common.health import quantizer_health
 
     gen = torch.Generator().manual_seed(args.seed)
