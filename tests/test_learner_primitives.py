@@ -1,0 +1,91 @@
+"""The learner-only parts of the recipe: RHT, stochastic rounding, NVFP4 backward."""
+
+import pytest
+import torch
+
+from minite_common import (
+    DEFAULT_RECIPE,
+    NVFP4Recipe,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+    quantize_weight,
+    random_hadamard_transform,
+    rht_matrix,
+    w4a4_linear,
+    w4a4_linear_train,
+)
+
+
+def test_rht_matrix_is_orthogonal_and_signed():
+    t = rht_matrix()
+    assert torch.equal(t @ t.T, torch.eye(16))
+    # Sylvester's H has an all-ones first column, so column 0 is TE's sign vector / 4.
+    signs = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+    assert torch.equal(t[:, 0], torch.tensor(signs, dtype=torch.float32) / 4)
+
+
+def test_rht_preserves_inner_products_along_tokens():
+    g = torch.randn(8, 64, dtype=torch.float64).bfloat16()
+    x = torch.randn(12, 64, dtype=torch.float64).bfloat16()
+    exact = g.double() @ x.double().T
+    rotated = random_hadamard_transform(g).double() @ random_hadamard_transform(x).double().T
+    assert float((rotated - exact).norm() / exact.norm()) < 1e-2  # BF16 rounding of the RHT only
+    with pytest.raises(ValueError, match="multiple of 16"):
+        random_hadamard_transform(torch.randn(3, 20))
+
+
+def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
+    x = torch.full((4096, 16), 0.3)
+    x[:, 0] = 6.0  # pins the block scale so 0.3 sits between the codes 0 (0.0) and 1 (0.5)
+    gen = torch.Generator().manual_seed(0)
+    q = quantize_nvfp4(x, stochastic=True, generator=gen)
+    values = dequantize_nvfp4(q, torch.float64)[:, 1:]
+    assert set(values.unique().tolist()) <= {0.0, 0.5}
+    assert abs(float(values.mean()) - 0.3) < 0.01
+    nearest = dequantize_nvfp4(quantize_nvfp4(x), torch.float64)[:, 1:]
+    assert set(nearest.unique().tolist()) == {0.5}
+
+
+def test_train_forward_is_the_inference_linear_bitwise():
+    w = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(5, 7, 64, dtype=torch.bfloat16, requires_grad=True)
+    w_q = quantize_weight(w.detach())
+    assert torch.equal(w4a4_linear_train(x, w, w_q), w4a4_linear(x.detach(), w_q))
+
+
+@pytest.mark.parametrize(
+    "recipe", [DEFAULT_RECIPE, NVFP4Recipe(grad_stochastic_rounding=False, wgrad_rht=False)]
+)
+def test_nvfp4_gradients_are_close_to_the_bf16_reference(recipe):
+    """Metric: relative Frobenius error of dX and dW against autograd through the unquantized
+    linear. NVFP4 has ~2 bits of mantissa, so a single quantized operand gives ~10% relative
+    error; the bound 0.35 allows the two quantized operands of each backward GEMM."""
+    torch.manual_seed(0)
+    w = (torch.randn(64, 128) / 11).requires_grad_()
+    x = torch.randn(96, 128).requires_grad_()
+    bias = torch.zeros(64, requires_grad=True)
+    target = torch.randn(96, 64)
+    w_q = quantize_weight(w.detach(), recipe=recipe)
+    ((w4a4_linear_train(x, w, w_q, bias, recipe=recipe) - target) ** 2).sum().backward()
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, bias))
+    ((torch.nn.functional.linear(xr, wr, br) - target) ** 2).sum().backward()
+    for got, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (bias.grad, br.grad)):
+        assert torch.isfinite(got).all()
+        assert float((got - ref).norm() / ref.norm()) < 0.35
+
+
+def test_few_steps_of_nvfp4_training_reduce_the_loss():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 64) * 0.1)
+    teacher = torch.randn(32, 64) * 0.1
+    opt = torch.optim.Adam([w], lr=1e-2)
+    losses = []
+    for _ in range(30):
+        x = torch.randn(64, 64)
+        y = w4a4_linear_train(x, w, quantize_weight(w.detach()))
+        loss = ((y - x @ teacher.T) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.3 * losses[0]
