@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import minite_kernels
 import torch
+from minite_kernels.dispatch import kernel_arch
 
 from .recipe import DEFAULT_RECIPE, NVFP4Recipe
 
@@ -252,7 +254,26 @@ def quantize_nvfp4(
     check_quantizable(x)
     if amax not in ("row", "tensor"):
         raise ValueError(f"amax must be 'row' or 'tensor', got {amax!r}")
+    if block_2d and amax != "tensor":
+        raise ValueError(
+            "16x16 blocks need one global scale for the whole tile (amax='tensor'); per-row "
+            "amax would give a tile's rows different scales and break the W/W^T symmetry"
+        )
     rows, k = x.shape
+    if not stochastic and kernel_arch(x.device):  # Triton kernel on sm_90+: the same bytes
+        given = None if global_amax is None else _given_amax(global_amax, amax, rows, x.device)
+        codes, scales, decode = minite_kernels.quantize_nvfp4(
+            x, amax=amax, block_2d=block_2d, global_amax=given
+        )
+        return NVFP4Tensor(
+            codes=codes,
+            scales=scales,
+            decode_scale=decode,
+            shape=torch.Size((rows, k)),
+            dtype=x.dtype,
+            block_2d=block_2d,
+            recipe_fingerprint=recipe.fingerprint(),
+        )
     x32 = x.float()
     finite = torch.isfinite(x32)
     x32 = torch.where(finite, x32, torch.zeros_like(x32))

@@ -194,7 +194,8 @@ def quantize(x: np.ndarray, amax: str = "row", block_2d: bool = False, global_am
         s_dec_b, c_b = s_dec, c
 
     bamax = block_amax(ax, block_2d)
-    v = np.minimum(bamax * c_b, E4M3_MAX)  # f32(bamax * c), clamp max=448 only
+    with np.errstate(over="ignore"):  # an overflow to inf is clamped like any v > 448
+        v = np.minimum(bamax * c_b, E4M3_MAX)  # f32(bamax * c), clamp max=448 only
     scale_bits = e4m3_rne_bits(v)
     s = E4M3_DECODE[scale_bits]
     with np.errstate(divide="ignore", over="ignore"):
@@ -236,7 +237,7 @@ def round_scaled_int_to_f32(n: np.ndarray, exp2: int) -> np.ndarray:
     small = np.abs(n) < 2**53
     # |n| < 2^53: n -> float64 and * 2^exp2 are exact, so astype(float32) is the only rounding.
     out[small] = (n[small].astype(np.float64) * 2.0**exp2).astype(np.float32)
-    for idx in zip(*np.nonzero(~small)):
+    for idx in zip(*np.nonzero(~small), strict=True):
         out[idx] = _round_int_f32(int(n[idx]), exp2)
     return out
 
@@ -298,7 +299,8 @@ def f32_to_torch(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(f32_to_bf16_bits(x).view(np.int16)).view(torch.bfloat16)
     if dtype == torch.float16:
-        return torch.from_numpy(x.astype(np.float16))
+        with np.errstate(over="ignore"):  # overflow to +-inf is the IEEE result
+            return torch.from_numpy(x.astype(np.float16))
     raise TypeError(dtype)
 
 
