@@ -1,1 +1,60 @@
-"""miniTE's Triton kernels (imported as ``minite_kernels``), reached through ``minite_common``."""
+"""miniTE's Triton kernels (imported as ``minite_kernels``), reached through ``minite_common``.
+
+``dispatch.kernel_arch(device)`` says whether they serve a device; the entry points below take
+``minite_common`` NVFP4Tensors and import Triton only when called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import BACKEND_ENV, kernel_arch
+
+__all__ = [
+    "BACKEND_ENV",
+    "gemm_path",
+    "grouped_nvfp4_gemm",
+    "kernel_arch",
+    "nvfp4_gemm",
+    "quantize_nvfp4",
+]
+
+
+def quantize_nvfp4(x: torch.Tensor, *, amax: str, block_2d: bool, global_amax=None):
+    """``(codes, scales, decode_scale)`` of ``x``, bit-identical to the torch reference."""
+    from .nvfp4_quantize import quantize_nvfp4_triton
+
+    return quantize_nvfp4_triton(x, amax=amax, block_2d=block_2d, global_amax=global_amax)
+
+
+def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ w.T`` with the contract's epilogue, on the kernel family of ``a``'s device."""
+    if kernel_arch(a.device) == "sm100":
+        from .w4a4_gemm_sm100 import nvfp4_gemm_sm100
+
+        return nvfp4_gemm_sm100(a, w, bias, out_dtype)
+    from .w4a4_gemm import nvfp4_gemm_sm90
+
+    return nvfp4_gemm_sm90(a, w, bias, out_dtype)
+
+
+def grouped_nvfp4_gemm(a, w, sizes: list[int], out_dtype: torch.dtype = torch.bfloat16):
+    """MoE experts' GEMM: rows of ``a`` grouped by ``sizes`` against ``w`` stacked [G*N, K]."""
+    if kernel_arch(a.device) == "sm100":
+        from .w4a4_gemm_sm100 import grouped_nvfp4_gemm_sm100
+
+        return grouped_nvfp4_gemm_sm100(a, w, sizes, out_dtype)
+    from .w4a4_gemm import grouped_nvfp4_gemm_sm90
+
+    return grouped_nvfp4_gemm_sm90(a, w, sizes, out_dtype)
+
+
+def gemm_path(arch: str) -> str:
+    """Name of the kernel family and its K-order configuration for ``arch`` (sm90, sm100)."""
+    if arch == "sm100":
+        from .w4a4_gemm_sm100 import gemm_path_sm100
+
+        return gemm_path_sm100()
+    from .w4a4_gemm import gemm_path_sm90
+
+    return gemm_path_sm90()

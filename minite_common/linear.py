@@ -12,7 +12,9 @@ float32 (nearest even) in integer arithmetic.
 
 from __future__ import annotations
 
+import minite_kernels
 import torch
+from minite_kernels.dispatch import kernel_arch
 
 from .nvfp4 import (
     BLOCK,
@@ -71,8 +73,10 @@ def exact_block_dot(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def gemm_path(device: torch.device | str) -> str:
-    """Name of the GEMM implementation :func:`nvfp4_gemm` runs on ``device``."""
-    return "torch-exact-f64"
+    """Name of the GEMM implementation :func:`nvfp4_gemm` runs on ``device`` (kernel family and
+    K-order configuration); ``MINITE_BACKEND=torch`` forces the torch path."""
+    arch = kernel_arch(device)
+    return minite_kernels.gemm_path(arch) if arch else "torch-exact-f64"
 
 
 def nvfp4_gemm(
@@ -89,6 +93,8 @@ def nvfp4_gemm(
         )
     if a.device != w.device:
         raise ValueError(f"NVFP4 GEMM: activation on {a.device}, weight on {w.device}")
+    if kernel_arch(a.device):
+        return minite_kernels.nvfp4_gemm(a, w, bias, out_dtype)
     acc = exact_block_dot(a, w)
     a_dec = a.decode_scale.unsqueeze(-1) if a.decode_scale.dim() else a.decode_scale
     y = (acc * a_dec) * w.decode_scale
@@ -181,6 +187,8 @@ def grouped_w4a4_linear(
         )
     n = w.rows // len(sizes)
     a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe)
+    if kernel_arch(x.device):
+        return minite_kernels.grouped_nvfp4_gemm(a, w, sizes, out_dtype=x.dtype)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     start = 0
     for g, size in enumerate(sizes):

@@ -1,0 +1,353 @@
+"""W4A4 GEMM and NVFP4 quantize benchmarks on a CUDA GPU (issue 3), with peers in the same run.
+
+    PYTHONPATH=$PWD python benchmarks/gemm.py [--check] [--variants] [--out DIR]
+
+Peers: cuBLAS BF16 ``x @ w.t()``, torch FP8 row-wise ``torch._scaled_mm``, and the vLLM-style
+NVFP4 emulation (dequantize both operands, then a BF16 matmul). Times are medians of CUDA-graph
+replays; each timed call cycles through ``ROTATE`` weight copies so that no weight stays in L2.
+Writes ``results.json`` and ``results.md`` to ``--out`` and prints the ratio table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from minite_kernels import w4a4_gemm as gemm_mod
+from minite_kernels.nvfp4_quantize import quantize_nvfp4_triton
+from minite_kernels.w4a4_gemm import (
+    DecodeConfig,
+    LargeConfig,
+    grouped_nvfp4_gemm_sm90,
+    nvfp4_gemm_sm90,
+)
+
+from minite_common import dequantize_nvfp4, exact_block_dot, quantize_nvfp4, w4a4_linear
+
+ROTATE = 4
+SQUARE_MS = (1, 16, 64, 256, 1024, 8192)
+QWEN_DENSE = {"qkv 2048->5120": (5120, 2048), "o 4096->2048": (2048, 4096)}
+QWEN_EXPERTS = {"experts 2048->2x768": (1536, 2048), "experts 768->2048": (2048, 768)}
+EXPERTS, TOP_K = 128, 8
+
+
+def bench_us(fn, calls: int = 1, graph: bool = True) -> float:
+    """Median microseconds of one of ``calls`` calls made by ``fn``, via CUDA-graph replay (or
+    plain launches for code that cannot be captured; fine for runs of a millisecond or more)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return ms * 1000.0 / calls
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (us * 1e-6)
+
+
+def nvfp4_bytes(rows: int, k: int) -> int:
+    return rows * k // 2 + rows * k // 16
+
+
+class Shape:
+    """Operands for one GEMM shape: ROTATE weights in NVFP4, BF16 and FP8, one activation."""
+
+    def __init__(self, m: int, n: int, k: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.m, self.n, self.k = m, n, k
+        self.x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(ROTATE)]
+        self.w_bf16 = ws
+        self.w_q = [quantize_nvfp4(w, amax="tensor", block_2d=True) for w in ws]
+        self.a_q = quantize_nvfp4(self.x, amax="row")
+        fp8 = torch.float8_e4m3fn
+        self.x_fp8_scale = self.x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+        self.x_fp8 = (self.x.float() / self.x_fp8_scale).to(fp8)
+        self.w_fp8, self.w_fp8_scale = [], []
+        for w in ws:
+            s = w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+            self.w_fp8.append((w.float() / s).to(fp8))
+            self.w_fp8_scale.append(s.t().contiguous())
+
+    def bytes_min(self) -> int:
+        return nvfp4_bytes(self.n, self.k) + nvfp4_bytes(self.m, self.k) + 2 * self.m * self.n
+
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def cublas(self):
+        return lambda: [self.x @ w.t() for w in self.w_bf16]
+
+    def fp8(self):
+        def run():
+            for w, s in zip(self.w_fp8, self.w_fp8_scale, strict=True):
+                torch._scaled_mm(
+                    self.x_fp8, w.t(), scale_a=self.x_fp8_scale, scale_b=s,
+                    out_dtype=torch.bfloat16,
+                )  # fmt: skip
+
+        return run
+
+    def emulation(self):
+        def run():
+            for w in self.w_q:
+                a = dequantize_nvfp4(self.a_q, torch.bfloat16)
+                a @ dequantize_nvfp4(w, torch.bfloat16).t()
+
+        return run
+
+    def ours(self, **kw):
+        return lambda: [nvfp4_gemm_sm90(self.a_q, w, **kw) for w in self.w_q]
+
+    def ours_linear(self):
+        return lambda: [w4a4_linear(self.x, w) for w in self.w_q]
+
+
+def safe(results: dict, key: str, fn, calls: int = ROTATE, graph: bool = True) -> float | None:
+    try:
+        us = bench_us(fn, calls, graph)
+    except Exception as e:  # one failing variant must not end the run
+        results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+        return None
+    results.setdefault("us", {})[key] = us
+    print(f"  {key}: {us:.1f} us", flush=True)
+    return us
+
+
+def bench_square(results: dict, variants: bool) -> None:
+    k = n = 8192
+    for m in SQUARE_MS:
+        s = Shape(m, n, k)
+        tag = f"sq M={m}"
+        safe(results, f"{tag} cublas", s.cublas())
+        safe(results, f"{tag} fp8", s.fp8())
+        safe(results, f"{tag} emulation", s.emulation(), graph=False)  # creates CPU tensors
+        safe(results, f"{tag} ours", s.ours())
+        safe(results, f"{tag} ours+quant", s.ours_linear())
+        if not variants:
+            continue
+        safe(results, f"{tag} ours bits-decode", s.ours(use_asm=False))
+        if m <= 16:
+            for cfg in (DecodeConfig(64, 16, 4, 6), DecodeConfig(128, 16, 8, 4)):
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+        if m == 64:
+            for cfg in (DecodeConfig(128, 64, 8, 3), DecodeConfig(64, 32, 4, 4)):
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+        if 64 < m <= 1024:
+            safe(results, f"{tag} large-path", s.ours(config=gemm_mod.LARGE_CONFIG))
+            safe(results, f"{tag} decode-path", s.ours(config=DecodeConfig(128, 128, 8, 3)))
+        if m >= 1024:
+            for cfg in (LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(256, 128, 64, 8, 8, 3)):
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+        if m == 8192:
+            safe(results, f"{tag} decode A+W only", lambda s=s: [
+                gemm_mod.decode_operand(w.codes, w.scales, use_asm=True) for w in s.w_q
+            ] + [gemm_mod.decode_operand(s.a_q.codes, s.a_q.scales, use_asm=True)])  # fmt: skip
+        del s
+        torch.cuda.empty_cache()
+
+
+def bench_qwen(results: dict) -> None:
+    for name, (n, k) in QWEN_DENSE.items():
+        for m in (1, 16, 1024, 8192):
+            s = Shape(m, n, k)
+            tag = f"qwen {name} M={m}"
+            safe(results, f"{tag} cublas", s.cublas())
+            safe(results, f"{tag} fp8", s.fp8())
+            safe(results, f"{tag} ours", s.ours())
+
+
+def route(tokens: int, g: torch.Generator) -> list[int]:
+    """Rows per expert for ``tokens`` tokens routed top-8 of 128 uniformly at random."""
+    scores = torch.rand(tokens, EXPERTS, device="cuda", generator=g)
+    experts = scores.topk(TOP_K, dim=1).indices.flatten()
+    return torch.bincount(experts, minlength=EXPERTS).tolist()
+
+
+def bench_grouped(results: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, (n, k) in QWEN_EXPERTS.items():
+        w = torch.randn(EXPERTS * n, k, device="cuda", generator=g).bfloat16()
+        w_q = quantize_nvfp4(w, amax="tensor", block_2d=True)
+        w_b = w.view(EXPERTS, n, k)
+        for tokens in (1, 16, 256, 8192):
+            sizes = route(tokens, g)
+            rows = sum(sizes)
+            x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+            a_q = quantize_nvfp4(x, amax="row")
+            tag = f"moe {name} T={tokens}"
+            offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            w_t = w_b.transpose(1, 2)  # [G, K, N] view of the [G, N, K] weights
+
+            def grouped_bf16(x=x, w_t=w_t, offs=offs):
+                torch._grouped_mm(x, w_t, offs=offs, out_dtype=torch.bfloat16)
+
+            safe(results, f"{tag} torch._grouped_mm bf16", grouped_bf16, calls=1)
+            safe(
+                results,
+                f"{tag} ours",
+                lambda a_q=a_q, w_q=w_q, sizes=sizes: grouped_nvfp4_gemm_sm90(a_q, w_q, sizes),
+                calls=1,
+            )
+            results.setdefault("moe_rows", {})[tag] = rows
+
+
+def bench_quantize(results: dict) -> None:
+    m = k = 8192
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    out_bytes = nvfp4_bytes(m, k)
+    results["quant_bytes"] = {
+        "act row": 2 * m * k + out_bytes + 4 * m,
+        "weight 2d": 2 * m * k + out_bytes + 4,
+        "weight 2d given amax": 2 * m * k + out_bytes + 4,
+    }
+    safe(results, "quant act row", lambda: quantize_nvfp4_triton(x, amax="row", block_2d=False), 1)
+    safe(
+        results, "quant weight 2d",
+        lambda: quantize_nvfp4_triton(x, amax="tensor", block_2d=True), 1,
+    )  # fmt: skip
+    amax = x.float().abs().amax()
+    safe(
+        results, "quant weight 2d given amax",
+        lambda: quantize_nvfp4_triton(x, amax="tensor", block_2d=True, global_amax=amax), 1,
+    )  # fmt: skip
+
+
+def run_checks(results: dict) -> None:
+    """Quick bitwise checks on the GPU: decode variants, paths and tile configs agree."""
+    torch.manual_seed(0)
+    n, k = 1024, 4096
+    x = torch.randn(300, k, device="cuda").bfloat16()
+    w_q = quantize_nvfp4(torch.randn(n, k, device="cuda"), amax="tensor", block_2d=True)
+    a_q = quantize_nvfp4(x, amax="row")
+    base = nvfp4_gemm_sm90(a_q, w_q, out_dtype=torch.float32, config=DecodeConfig(64, 16, 4, 4))
+    checks = {}
+    variants = {
+        "bits-decode": dict(use_asm=False, config=DecodeConfig(64, 16, 4, 4)),
+        "bm64": dict(config=DecodeConfig(64, 64, 4, 3)),
+        "bm128": dict(config=DecodeConfig(128, 128, 8, 3)),
+        "large": dict(config=LargeConfig()),
+        "large-bits": dict(config=LargeConfig(), use_asm=False),
+    }
+    for name, kw in variants.items():
+        try:
+            y = nvfp4_gemm_sm90(a_q, w_q, out_dtype=torch.float32, **kw)
+            checks[name] = bool(torch.equal(y, base))
+        except Exception as e:
+            checks[name] = f"{type(e).__name__}: {e}"[:300]
+    acc = exact_block_dot(a_q.to("cpu"), w_q.to("cpu"))
+    ref = (acc * a_q.decode_scale.cpu()[:, None]) * w_q.decode_scale.cpu()
+    err = ((base.cpu() - ref).norm() / ref.norm()).item()
+    checks["rel_err_vs_cpu_exact"] = err
+    results["checks"] = checks
+    print("checks:", json.dumps(checks), flush=True)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def table(results: dict) -> str:
+    us = results.get("us", {})
+    bw = results["copy_bw"]
+    lines = [
+        f"Device: {results['device']}; torch {results['torch']}, triton {results['triton']}; "
+        f"{results['date']}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write).",
+        "",
+        "| GEMM M x N x K | cuBLAS BF16 us | FP8 rowwise us | emulation us | ours us | "
+        "ours+quantize us | ours vs cuBLAS | ours vs emulation | ours TB/s (min bytes) | "
+        "ours TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in SQUARE_MS:
+        t = f"sq M={m}"
+        o = us.get(f"{t} ours")
+        s_bytes = nvfp4_bytes(8192, 8192) + nvfp4_bytes(m, 8192) + 2 * m * 8192
+        tbs = f"{s_bytes / (o * 1e-6) / 1e12:.2f}" if o else "n/a"
+        tfl = f"{2 * m * 8192 * 8192 / (o * 1e-6) / 1e12:.0f}" if o else "n/a"
+        lines.append(
+            f"| {m} x 8192 x 8192 | {fmt(us.get(t + ' cublas'))} | {fmt(us.get(t + ' fp8'))} | "
+            f"{fmt(us.get(t + ' emulation'))} | {fmt(o)} | {fmt(us.get(t + ' ours+quant'))} | "
+            f"{ratio(us.get(t + ' cublas'), o)} | {ratio(us.get(t + ' emulation'), o)} | "
+            f"{tbs} | {tfl} |"
+        )
+    lines += ["", "| Qwen3-30B-A3B GEMM | M | cuBLAS BF16 us | FP8 us | ours us | ours vs cuBLAS |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for name in QWEN_DENSE:
+        for m in (1, 16, 1024, 8192):
+            t = f"qwen {name} M={m}"
+            c, f8, o = us.get(t + " cublas"), us.get(t + " fp8"), us.get(t + " ours")
+            lines.append(f"| {name} | {m} | {fmt(c)} | {fmt(f8)} | {fmt(o)} | {ratio(c, o)} |")
+    lines += ["", "| MoE grouped (128 experts, top-8) | tokens | rows | torch._grouped_mm BF16 us "
+              "| ours us | ours vs BF16 |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name in QWEN_EXPERTS:
+        for tokens in (1, 16, 256, 8192):
+            t = f"moe {name} T={tokens}"
+            c, o = us.get(t + " torch._grouped_mm bf16"), us.get(t + " ours")
+            rows = results.get("moe_rows", {}).get(t)
+            lines.append(f"| {name} | {tokens} | {rows} | {fmt(c)} | {fmt(o)} | {ratio(c, o)} |")
+    lines += ["", "| quantize 8192 x 8192 bf16 | us | bytes (read+written, minimum) | "
+              "fraction of copy bandwidth |", "|---|---|---|---|"]  # fmt: skip
+    for name, nbytes in results.get("quant_bytes", {}).items():
+        t = us.get(f"quant {name}")
+        frac = f"{nbytes / (t * 1e-6) / bw:.0%}" if t else "n/a"
+        lines.append(f"| {name} | {fmt(t)} | {nbytes} | {frac} |")
+    return "\n".join(lines)
+
+
+def fmt(v: float | None) -> str:
+    return f"{v:.1f}" if v else "n/a"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="bitwise checks before timing")
+    parser.add_argument("--variants", action="store_true", help="also time tile/decode variants")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
+    parser.add_argument("--only", default="square,qwen,grouped,quantize")
+    args = parser.parse_args()
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(sys.argv),
+    }
+    results["copy_bw"] = copy_bandwidth()
+    print(f"copy bandwidth {results['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+    if args.check:
+        run_checks(results)
+    parts = args.only.split(",")
+    for part, fn in (("square", lambda: bench_square(results, args.variants)),
+                     ("qwen", lambda: bench_qwen(results)),
+                     ("grouped", lambda: bench_grouped(results)),
+                     ("quantize", lambda: bench_quantize(results))):  # fmt: skip
+        if part in parts:
+            print(f"== {part}", flush=True)
+            fn()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = table(results)
+    (out / "results.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""NVFP4 quantization on the GPU: recipe v1 (DESIGN.md section 1), the same bytes as the torch
+reference ``minite_common.nvfp4.quantize_nvfp4``.
+
+One kernel covers per-row amax (activations, 1x16 blocks) and per-tensor amax (weights, 16x16
+blocks); a small reduction kernel computes the per-tensor amax first. Every step is float32 with
+IEEE division (``div_rn``), in the contract's order; no step adds to a product, so no FMA
+contraction can merge two roundings (the launch also disables contraction).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp import FLT_MAX, INF, SIXTH_F32, e4m3_to_f32, f32_to_e4m3_rne, nan_like
+
+
+@triton.jit
+def _global_scales(amax):
+    """Per-row ``S_enc`` and ``S_dec`` from the amax vector (contract: 2688/amax, 1 if 0)."""
+    s_enc = tl.minimum(
+        tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+    return s_enc, s_dec
+
+
+@triton.jit
+def _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """A float32 tile with NaN/Inf replaced by 0, and a 0/1 mask of the non-finite elements."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < INF
+    return tl.where(finite, x, 0.0), (~finite).to(tl.int32)
+
+
+@triton.jit
+def _quantize_tile(
+    x,
+    s_enc,
+    s_dec,
+    codes_ptr,
+    scales_ptr,
+    offs_m,
+    row_ok,
+    k0,
+    K,
+    BLOCK_2D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Quantize a finite float32 tile [BLOCK_M, BLOCK_K] at column k0 and store codes and scales."""
+    NB: tl.constexpr = BLOCK_K // 16
+    mag = tl.abs(x)
+    if BLOCK_2D:
+        tiles = tl.max(tl.max(tl.reshape(mag, [BLOCK_M // 16, 16, NB, 16]), axis=3), axis=1)
+        bamax = tl.reshape(
+            tl.broadcast_to(tiles[:, None, :], [BLOCK_M // 16, 16, NB]), [BLOCK_M, NB]
+        )
+    else:
+        bamax = tl.max(tl.reshape(mag, [BLOCK_M, NB, 16]), axis=2)
+    scale_f32 = tl.minimum(
+        bamax * (s_enc * SIXTH_F32)[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL
+    )
+    scale_code = f32_to_e4m3_rne(scale_f32)
+    block_dec = e4m3_to_f32(scale_code) * s_dec[:, None]
+    encode = tl.minimum(
+        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    scaled = tl.reshape(x, [BLOCK_M, NB, 16]) * encode[:, :, None]
+    scaled = tl.clamp(scaled, -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)
+    a = tl.abs(scaled)
+    # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: round to nearest, ties to the even code.
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    code = code | tl.where(scaled < 0, 8, 0)
+    even, odd = tl.split(tl.reshape(code, [BLOCK_M, BLOCK_K // 2, 2]))
+    packed = (even | (odd << 4)).to(tl.uint8)
+
+    half_k = K // 2
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    row64 = offs_m.to(tl.int64)
+    tl.store(
+        codes_ptr + row64[:, None] * half_k + offs_b[None, :],
+        packed,
+        mask=row_ok[:, None] & (offs_b < half_k)[None, :],
+    )
+    n_blocks = K // 16
+    offs_s = k0 // 16 + tl.arange(0, NB)
+    tl.store(
+        scales_ptr + row64[:, None] * n_blocks + offs_s[None, :],
+        scale_code.to(tl.uint8),
+        mask=row_ok[:, None] & (offs_s < n_blocks)[None, :],
+    )
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(
+    x_ptr,
+    stride_xr,
+    stride_xk,
+    codes_ptr,
+    scales_ptr,
+    decode_ptr,
+    amax_ptr,
+    amax_stride,
+    nonfinite_ptr,
+    rows,
+    K,
+    ROW_AMAX: tl.constexpr,
+    GIVEN_AMAX: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Quantize rows [pid*BLOCK_M, +BLOCK_M). ROW_AMAX: amax and non-finite flag per row (from
+    the data, or amax given per row); else both are device scalars. SINGLE_PASS: K <= BLOCK_K."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xr
+    if SINGLE_PASS:
+        x, bad = _load_finite(x_rows, stride_xk, row_ok, 0, K, BLOCK_K)
+        amax = tl.max(tl.abs(x), axis=1)
+        nonfinite = tl.max(bad, axis=1)
+    elif ROW_AMAX:
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        nonfinite = tl.zeros([BLOCK_M], tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            xk, badk = _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K)
+            amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
+            nonfinite = tl.maximum(nonfinite, tl.max(badk, axis=1))
+    else:
+        amax = tl.load(amax_ptr + offs_m * 0)
+        nonfinite = tl.load(nonfinite_ptr + offs_m * 0)
+    if GIVEN_AMAX:
+        amax = tl.load(amax_ptr + offs_m * amax_stride, mask=row_ok, other=1.0)
+    s_enc, s_dec = _global_scales(amax)
+    decode = tl.where(nonfinite != 0, nan_like(s_dec), s_dec)
+    if ROW_AMAX:
+        tl.store(decode_ptr + offs_m, decode, mask=row_ok)
+    else:
+        tl.store(decode_ptr + offs_m * 0, decode, mask=offs_m == 0)
+    if SINGLE_PASS:
+        _quantize_tile(
+            x, s_enc, s_dec, codes_ptr, scales_ptr, offs_m, row_ok, 0, K, BLOCK_2D, BLOCK_M, BLOCK_K
+        )
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            xk, _ = _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K)
+            _quantize_tile(
+                xk, s_enc, s_dec, codes_ptr, scales_ptr, offs_m, row_ok, k0, K,
+                BLOCK_2D, BLOCK_M, BLOCK_K,
+            )  # fmt: skip
+
+
+@triton.jit
+def _absmax_kernel(
+    x_ptr,
+    stride_xr,
+    stride_xk,
+    rows,
+    K,
+    part_amax_ptr,
+    part_nonfinite_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Per program: max |x| over the finite elements of BLOCK_M rows, and whether any is not."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xr
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    nonfinite = tl.zeros([BLOCK_M], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        xk, badk = _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K)
+        amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
+        nonfinite = tl.maximum(nonfinite, tl.max(badk, axis=1))
+    tl.store(part_amax_ptr + pid, tl.max(amax, axis=0))
+    tl.store(part_nonfinite_ptr + pid, tl.max(nonfinite, axis=0))
+
+
+_SINGLE_PASS_MAX_K = 16384
+_TILE_ELEMENTS = 8192
+
+
+def quantize_nvfp4_triton(
+    x: torch.Tensor,
+    *,
+    amax: str,
+    block_2d: bool,
+    global_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [rows, K/2], scales float8_e4m3fn [rows, K/16], decode_scale f32)`` of a
+    2D float tensor ``x`` (any strides), bit-identical to the torch reference.
+
+    ``amax`` is ``"row"`` or ``"tensor"``; ``global_amax`` (already validated: a 0-d tensor for
+    ``"tensor"``, ``[rows]`` for ``"row"``) replaces the computed amax.
+    """
+    rows, k = x.shape
+    if block_2d and amax != "tensor":
+        raise ValueError("16x16 blocks need amax='tensor' (one global scale per tile)")
+    dev = x.device
+    codes = torch.empty(rows, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, k // 16, dtype=torch.uint8, device=dev)
+    row_amax = amax == "row"
+    decode = torch.empty(rows if row_amax else (), dtype=torch.float32, device=dev)
+    if rows == 0:
+        return codes, scales.view(torch.float8_e4m3fn), decode
+
+    given = global_amax is not None
+    amax_arg = global_amax.float() if given else codes  # a placeholder pointer when unused
+    amax_stride = amax_arg.stride(0) if given and amax_arg.dim() else 0
+    nonfinite = codes
+    if not row_amax:
+        block_m, block_k = 16, 512
+        n_prog = triton.cdiv(rows, block_m)
+        parts = torch.empty(n_prog, dtype=torch.float32, device=dev)
+        flags = torch.empty(n_prog, dtype=torch.int32, device=dev)
+        _absmax_kernel[(n_prog,)](
+            x, x.stride(0), x.stride(1), rows, k, parts, flags,
+            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8,
+        )  # fmt: skip
+        nonfinite = flags.amax()
+        if not given:
+            amax_arg = parts.amax()
+        single = False
+    elif k <= _SINGLE_PASS_MAX_K and not block_2d:
+        block_k = triton.next_power_of_2(k)
+        block_m = max(1, _TILE_ELEMENTS // block_k)
+        single = True
+    else:
+        block_m, block_k, single = 4, 512, False
+    _quantize_nvfp4_kernel[(triton.cdiv(rows, block_m),)](
+        x, x.stride(0), x.stride(1), codes, scales, decode, amax_arg, amax_stride, nonfinite,
+        rows, k,
+        ROW_AMAX=row_amax, GIVEN_AMAX=given and row_amax, BLOCK_2D=block_2d, SINGLE_PASS=single,
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
+    return codes, scales.view(torch.float8_e4m3fn), decode

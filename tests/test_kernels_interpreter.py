@@ -1,0 +1,187 @@
+"""Kernel-logic tests of miniTE's Triton kernels on CPU, through Triton's interpreter.
+
+Each check runs in a subprocess with ``TRITON_INTERPRET=1`` (it must be set before Triton is
+imported, and must not leak into other tests). The interpreter checks indexing, masking, the
+quantizer's bits (same bytes as the torch reference) and the exact decode; it does not model the
+GPU's BF16 MMA (it stores BF16 as raw integers), so GEMM results are checked against FP64 within
+float32 accumulation error here, and bitwise on the GPU (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CHECKS = ["quantize", "quantize_two_pass", "decode_operand", "gemm", "grouped"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_logic_in_interpreter(check: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, __file__, check], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_cpu_tensors_take_the_torch_path() -> None:
+    from minite_kernels import kernel_arch
+
+    from minite_common import gemm_path
+
+    assert kernel_arch("cpu") is None
+    assert gemm_path("cpu") == "torch-exact-f64"
+
+
+# ---- worker side (runs under TRITON_INTERPRET=1) ----
+
+
+def _inputs(rows: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** (torch.rand(rows, k // 16, 1, generator=g) * 12 - 6)
+    x = torch.randn(rows, k, generator=g) * magnitude.repeat_interleave(16, 2).view(rows, k)
+    x[torch.rand(rows, k, generator=g) < 0.05] = 0.0
+    if rows > 2:
+        x[1, 3] = float("nan")
+        x[2] = 0.0
+    if rows > 4:
+        x[4, -1] = float("inf")
+    if dtype == torch.float16:
+        x = torch.where(torch.isfinite(x), x.clamp(-60000, 60000), x)
+    return x.to(dtype)
+
+
+def _assert_same_bytes(codes, scales, decode, ref) -> None:
+    assert torch.equal(codes, ref.codes)
+    assert torch.equal(scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    assert torch.equal(decode.isnan(), ref.decode_scale.isnan())
+    assert torch.equal(decode.nan_to_num(), ref.decode_scale.nan_to_num())
+
+
+def _check_quantize() -> None:
+    from minite_kernels.nvfp4_quantize import quantize_nvfp4_triton
+
+    from minite_common import quantize_nvfp4
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for seed, (rows, k) in enumerate([(1, 16), (5, 48), (33, 272)]):
+            x = _inputs(rows, k, seed, dtype)
+            for amax, block_2d in (("row", False), ("tensor", False), ("tensor", True)):
+                for view in (x, x.t().contiguous().t()):
+                    ref = quantize_nvfp4(view, amax=amax, block_2d=block_2d)
+                    got = quantize_nvfp4_triton(view, amax=amax, block_2d=block_2d)
+                    _assert_same_bytes(*got, ref)
+    x = _inputs(33, 64, 9).nan_to_num(0.0, 0.0, 0.0)
+    amax = x.abs().amax()
+    for g in (amax, amax * 0.01, amax * 1e6, torch.tensor(0.0), torch.tensor(float("inf"))):
+        for block_2d in (False, True):
+            ref = quantize_nvfp4(x, amax="tensor", block_2d=block_2d, global_amax=g)
+            _assert_same_bytes(
+                *quantize_nvfp4_triton(x, amax="tensor", block_2d=block_2d, global_amax=g), ref
+            )
+    rows_amax = x.abs().amax(1) * 0.3
+    ref = quantize_nvfp4(x, global_amax=rows_amax)
+    _assert_same_bytes(*quantize_nvfp4_triton(x, amax="row", block_2d=False,
+                                              global_amax=rows_amax), ref)  # fmt: skip
+
+
+def _check_quantize_two_pass() -> None:
+    import minite_kernels.nvfp4_quantize as q
+
+    q._SINGLE_PASS_MAX_K = 16  # force the chunked two-pass row path on small shapes
+    from minite_common import quantize_nvfp4
+
+    for rows, k in [(3, 1040), (6, 48)]:
+        x = _inputs(rows, k, rows)
+        ref = quantize_nvfp4(x, amax="row")
+        _assert_same_bytes(*q.quantize_nvfp4_triton(x, amax="row", block_2d=False), ref)
+
+
+def _check_decode_operand() -> None:
+    from minite_kernels.nvfp4_decode import CHUNK, decode_operand
+
+    from minite_common import quantize_nvfp4, unpack_codes
+    from minite_common.nvfp4 import E2M1_VALUES
+
+    for rows, k in [(3, 16), (17, 272), (2, 512)]:
+        t = quantize_nvfp4(_inputs(rows, k, k).nan_to_num(0.0, 0.0, 0.0))
+        got = decode_operand(t.codes, t.scales, use_asm=False)
+        values = torch.tensor(E2M1_VALUES)[unpack_codes(t.codes).long()]
+        exact = values * t.scales.float().repeat_interleave(16, 1) * 2.0**-7
+        padded = -(-k // CHUNK) * CHUNK
+        exact = torch.nn.functional.pad(exact, (0, padded - k))
+        order = exact.view(rows, padded // CHUNK, CHUNK // 8, 8).transpose(2, 3)  # 8 streams
+        assert torch.equal(got.float(), order.reshape(rows, padded))
+        assert torch.equal(got.float().signbit(), order.reshape(rows, padded).signbit())
+
+
+def _reference(a, w, bias=None) -> torch.Tensor:
+    from minite_common import dequantize_nvfp4
+
+    y = dequantize_nvfp4(a, torch.float64) @ dequantize_nvfp4(w, torch.float64).T
+    return y if bias is None else y + bias.double()
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, k: int, a, w) -> None:
+    from minite_common import dequantize_nvfp4
+
+    scale = dequantize_nvfp4(a, torch.float64).abs() @ dequantize_nvfp4(w, torch.float64).abs().T
+    bound = 4 * (k + 4) * 2.0**-24 * (scale + ref.abs()) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def _check_gemm() -> None:
+    from minite_kernels.w4a4_gemm import DecodeConfig, LargeConfig, nvfp4_gemm_sm90
+
+    from minite_common import quantize_nvfp4
+
+    configs = [
+        DecodeConfig(64, 16, 4, 1),
+        DecodeConfig(64, 32, 4, 1),
+        LargeConfig(64, 16, 64, 2, 4, 1),
+    ]
+    for m, n, k in [(1, 1, 16), (5, 33, 48), (17, 40, 272)]:
+        a = quantize_nvfp4(_inputs(m, k, m).nan_to_num(0.0, 0.0, 0.0))
+        w = quantize_nvfp4(_inputs(n, k, n + 1).nan_to_num(0.0, 0.0, 0.0), amax="tensor",
+                           block_2d=True)  # fmt: skip
+        bias = torch.randn(n)
+        for cfg in configs:
+            for b in (None, bias):
+                y = nvfp4_gemm_sm90(a, w, b, torch.float32, config=cfg, use_asm=False)
+                _assert_close(y, _reference(a, w, b), k, a, w)
+            y16 = nvfp4_gemm_sm90(a, w, bias, torch.bfloat16, config=cfg, use_asm=False)
+            assert y16.dtype == torch.bfloat16 and torch.isfinite(y16).all()
+    a = quantize_nvfp4(_inputs(4, 32, 1))  # row 1 holds a NaN: its outputs are NaN
+    w = quantize_nvfp4(_inputs(8, 32, 2).nan_to_num(0.0, 0.0, 0.0), amax="tensor")
+    y = nvfp4_gemm_sm90(a, w, None, torch.float32, config=configs[0], use_asm=False)
+    assert y[1].isnan().all() and torch.isfinite(y[[0, 2, 3]]).all()
+
+
+def _check_grouped() -> None:
+    from minite_kernels.w4a4_gemm import DecodeConfig, grouped_nvfp4_gemm_sm90
+
+    from minite_common import quantize_nvfp4
+
+    g, n, k = 4, 32, 80
+    sizes = [0, 3, 17, 1]
+    a = quantize_nvfp4(_inputs(sum(sizes), k, 5).nan_to_num(0.0, 0.0, 0.0))
+    w = quantize_nvfp4(_inputs(g * n, k, 6).nan_to_num(0.0, 0.0, 0.0), amax="tensor",
+                       block_2d=True)  # fmt: skip
+    y = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=DecodeConfig(64, 16, 4, 1),
+                                use_asm=False)  # fmt: skip
+    start = 0
+    for e, size in enumerate(sizes):
+        if size:
+            ae, we = a.narrow_rows(start, size), w.narrow_rows(e * n, n)
+            _assert_close(y[start : start + size], _reference(ae, we), k, ae, we)
+        start += size
+
+
+if __name__ == "__main__":
+    globals()[f"_check_{sys.argv[1]}"]()
+    print("ok", sys.argv[1])
