@@ -89,3 +89,17 @@ def test_few_steps_of_nvfp4_training_reduce_the_loss():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.3 * losses[0]
+
+
+def test_dgrad_weight_layout_is_the_transpose_of_the_fprop_weight():
+    from minite_common import cat_rows
+    from minite_common.autograd import transposed_weight_codes
+
+    w = torch.randn(64, 48)
+    fused = cat_rows([quantize_weight(w[:32]), quantize_weight(w[32:] * 100)])
+    t = transposed_weight_codes(fused)
+    folded = t.dequantize(torch.float32) * fused.channel_decode_scale()[None, :]
+    assert torch.equal(folded, fused.dequantize(torch.float32).T)
+    assert transposed_weight_codes(fused) is t  # cached until the weight changes
+    fused.codes.add_(0)
+    assert transposed_weight_codes(fused) is not t
