@@ -1,0 +1,54 @@
+"""miniTE's vLLM plugin: ``--quantization minite`` serves NVFP4 W4A4 with the shared contract.
+
+vLLM calls :func:`register` in every process through the ``vllm.general_plugins`` entry point.
+The RL weight-update and fingerprint API lives in :class:`minite_vllm.worker.MiniteWorkerExtension`
+(pass :data:`WORKER_EXTENSION` as ``worker_extension_cls``); tensors cross vLLM's process
+boundaries as safetensors bytes made by :func:`pack_weights` and read by :func:`unpack_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+#: Qualified name to pass as ``LLM(..., worker_extension_cls=...)`` / ``--worker-extension-cls``.
+WORKER_EXTENSION = "minite_vllm.worker.MiniteWorkerExtension"
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``minite`` quantization config with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import MiniteConfig
+
+    register_quantization_config(MiniteConfig.get_name())(MiniteConfig)
+    _registered = True
+
+
+def pack_weights(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """Named tensors as safetensors bytes, the form ``collective_rpc`` carries intact."""
+    from safetensors.torch import save
+
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    tensors, storages = {}, set()
+    for name, t in items:
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # tied weights: safetensors wants copies
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    return save(tensors)
+
+
+def unpack_weights(data: bytes) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack_weights`: tensors on the CPU, sorted by name (the packed order is
+    not kept, and safetensors' own order differs from process to process)."""
+    from safetensors.torch import load
+
+    return dict(sorted(load(data).items()))

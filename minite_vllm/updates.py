@@ -1,0 +1,295 @@
+"""RL weight updates into a loaded vLLM model, quantized-tensor export and execution fingerprints.
+
+An update is all-or-nothing. Every ``(hf_name, tensor)`` is first resolved through the model's
+own ``load_weights`` (so vLLM's name mapping and tensor-parallel narrowing apply) with each
+parameter's loader redirected to a staging copy; BF16 weights of quantized layers are narrowed to
+this rank and quantized with the amax of the whole HF tensor, as ``quantize_weight`` does on the
+learner. Only when every name, shape, dtype and value has passed are the staged
+values copied into the live tensors, whose addresses never change. A failed update raises and
+leaves the previous weights serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, gemm_path, quantize_weight
+from minite_common.checkpoint import nvfp4_to_state
+
+from .config import hf_expert_names, hf_module_names
+from .layer import SUFFIXES, NVFP4LayerMixin, Part, swap_param
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+def quantized_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, NVFP4LayerMixin]]:
+    """Every (module, method) pair of ``model`` that runs NVFP4."""
+    return [
+        (m, m.quant_method)
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), NVFP4LayerMixin)
+    ]
+
+
+def _staged_copy(live: torch.Tensor) -> torch.Tensor:
+    """A copy of parameter ``live`` with its class and attributes, for a loader to write into."""
+    copy = live.data.clone()
+    copy.__class__ = live.__class__
+    copy.__dict__ = live.__dict__.copy()
+    return copy
+
+
+class _StagedUpdate:
+    """The tensors of one update, resolved by the model's ``load_weights`` and held aside.
+
+    ``nvfp4_input`` says whether quantized layers receive checkpoint-format NVFP4 tensors (True)
+    or high-precision weights to quantize (False).
+    """
+
+    def __init__(self, model: torch.nn.Module, nvfp4_input: bool) -> None:
+        self.model = model
+        self.nvfp4_input = nvfp4_input
+        self.name = ""
+        self.resolved: set[str] = set()
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.parts: list[tuple[torch.nn.Module, NVFP4LayerMixin, Part, NVFP4Tensor]] = []
+        self.layers: dict[int, tuple[torch.nn.Module, NVFP4LayerMixin]] = {}
+
+    def resolve(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage every weight, one name at a time; raise naming the first that does not fit."""
+        restore = self._install_stagers()
+        try:
+            for name, tensor in weights:
+                self.name = name
+                try:
+                    self.model.load_weights([(name, tensor)])
+                except Exception as e:
+                    given = f"{tensor.dtype} {list(tensor.shape)}"
+                    raise ValueError(f"weight update: {name} ({given}): {e}") from e
+                if name not in self.resolved:
+                    raise ValueError(f"weight update: {name} is not a weight of this model")
+        finally:
+            restore()
+            for _, method in self.layers.values():
+                method.loaded.clear()
+
+    def _install_stagers(self) -> Callable[[], None]:
+        installed: list[tuple[torch.Tensor, Callable[..., Any] | None]] = []
+        seen: set[int] = set()
+        for module in self.model.modules():
+            for param_name, live in module._parameters.items():
+                if live is None or id(live) in seen:
+                    continue
+                seen.add(id(live))
+                original = getattr(live, "weight_loader", None)
+                installed.append((live, original))
+                live.weight_loader = self._stager(
+                    module, param_name, live, original or default_weight_loader
+                )
+
+        def restore() -> None:
+            for live, original in installed:
+                if original is None:
+                    del live.weight_loader
+                else:
+                    live.weight_loader = original
+
+        return restore
+
+    def _stager(
+        self,
+        module: torch.nn.Module,
+        param_name: str,
+        live: torch.Tensor,
+        original: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        method = getattr(module, "quant_method", None)
+
+        def stage(*args: Any, **kwargs: Any) -> Any:
+            self.resolved.add(self.name)
+            if isinstance(method, NVFP4LayerMixin) and param_name != "bias":
+                self.layers[id(module)] = (module, method)
+                if self.nvfp4_input:
+                    if not any(param_name == f"{st}{s}" for st in method.stems for s in SUFFIXES):
+                        raise ValueError(f"{param_name} is not a checkpoint tensor of NVFP4 layers")
+                    return _load_into(self._copy_of(live), original, args, kwargs)
+                return self._stage_to_quantize(module, method, param_name, live, args, kwargs)
+            if isinstance(method, FusedMoEMethodBase):
+                raise ValueError(
+                    "the recipe keeps these routed experts in BF16, and vLLM repacks BF16 experts "
+                    "after loading; updating them in place is not supported"
+                )
+            return _load_into(self._copy_of(live), original, args, kwargs)
+
+        return stage
+
+    def _copy_of(self, live: torch.Tensor) -> torch.Tensor:
+        if id(live) not in self.copies:
+            self.copies[id(live)] = (live, _staged_copy(live))
+        return self.copies[id(live)][1]
+
+    def _stage_to_quantize(
+        self,
+        layer: torch.nn.Module,
+        method: NVFP4LayerMixin,
+        param_name: str,
+        live: torch.Tensor,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Narrow one HF weight to this rank with vLLM's loader and quantize it with the amax of
+        the whole tensor (every rank receives it whole, so no collective is needed)."""
+        if param_name not in {f"{stem}weight" for stem in method.stems}:
+            raise ValueError(
+                "update_weights_bf16 takes high-precision weights; NVFP4 tensors (codes and "
+                "scales) go through update_weights_quantized"
+            )
+        loaded = kwargs["loaded_weight"] if "loaded_weight" in kwargs else args[1]
+        if not loaded.is_floating_point():
+            raise ValueError(f"expected a BF16/FP16/FP32 weight, found {loaded.dtype}")
+        scratch, loader = method.bf16_scratch(layer, param_name, loaded.dtype, live.device)
+        result, shards = method.load_shards(layer, param_name, scratch, loader, args, kwargs)
+        if len(shards) > 1:
+            raise ValueError(
+                f"one tensor for {[p.hf_name for p, _ in shards]}: send each HF weight under its "
+                "own name, since each is quantized with its own scale"
+            )
+        amax = loaded.abs().amax().float()
+        self.parts += [
+            (layer, method, part, quantize_weight(shard, recipe=method.recipe,
+                                                  name=f"{part.hf_name}.weight", global_amax=amax))
+            for part, shard in shards
+        ]  # fmt: skip
+        return result
+
+    def check_nvfp4_values(self) -> None:
+        """Check the block and global scales that the staged copies would put in each layer."""
+        for layer, method in self.layers.values():
+            tensors = {}
+            for stem in method.stems:
+                for suffix in SUFFIXES[1:]:
+                    live = getattr(layer, f"{stem}{suffix}")
+                    tensors[f"{stem}{suffix}"] = self.copies.get(id(live), (live, live.data))[1]
+            method.check_values(layer, tensors)
+
+    def commit(self) -> None:
+        """Copy everything staged into the live tensors, then refresh what derives from them."""
+        for live, copy in self.copies.values():
+            live.data.copy_(copy)
+        for layer, method, part, t in self.parts:
+            method.write_part(layer, part, t)
+        for layer, method in self.layers.values():
+            method.refresh_decode_scale(layer)
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            params = module._parameters.values()
+            if method is None or isinstance(method, NVFP4LayerMixin):
+                continue
+            if any(p is not None and id(p) in self.copies for p in params):
+                method.process_weights_after_loading(module)
+                if hasattr(module, "update_param_tp_status"):
+                    module.update_param_tp_status()
+
+
+def _load_into(
+    target: torch.Tensor, loader: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+) -> Any:
+    """Run a weight-loader call with ``target`` in place of the parameter it names."""
+    args, kwargs = swap_param(args, kwargs, target)
+    return loader(*args, **kwargs)
+
+
+def _checked_list(weights: Weights) -> list[tuple[str, torch.Tensor]]:
+    weights = list(weights)
+    names = [name for name, _ in weights]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"weight update: names given more than once: {duplicates}")
+    for name, tensor in weights:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight update: {name}: expected a torch.Tensor, got {type(tensor)}")
+        values = tensor.float() if tensor.dtype.itemsize == 1 else tensor
+        if tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"weight update: {name}: holds NaN/Inf values")
+    return weights
+
+
+@torch.no_grad()
+def update_weights_bf16(model: torch.nn.Module, weights: Weights) -> None:
+    """Load HF-named BF16 weights; quantized layers re-quantize them in place, bit for bit as
+    ``quantize_weight`` does on the learner. All-or-nothing (see the module docstring)."""
+    staged = _StagedUpdate(model, nvfp4_input=False)
+    staged.resolve(_checked_list(weights))
+    staged.commit()
+
+
+@torch.no_grad()
+def update_weights_quantized(
+    model: torch.nn.Module, weights: Weights, recipe_fingerprint: str
+) -> None:
+    """Load weights in miniTE checkpoint format (``{hf}.weight`` uint8 codes, ``.weight_scale``
+    E4M3, ``.weight_scale_2`` FP32 for quantized layers; BF16 for the rest) that were quantized
+    under the recipe with ``recipe_fingerprint``. All-or-nothing (see the module docstring)."""
+    layers = quantized_layers(model)
+    if layers:
+        check_fingerprints(layers[0][1].recipe.fingerprint(), recipe_fingerprint, "weight update")
+    staged = _StagedUpdate(model, nvfp4_input=True)
+    staged.resolve(_checked_list(weights))
+    staged.check_nvfp4_values()
+    staged.commit()
+
+
+def quantized_weights(
+    model: torch.nn.Module, hf_names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's NVFP4 tensors of the HF weights ``hf_names`` (all quantized ones if None), in
+    checkpoint format (``{hf}.weight``, ``.weight_scale``, ``.weight_scale_2``), copied to CPU."""
+    parts = {
+        p.hf_name: (layer, method, p)
+        for layer, method in quantized_layers(model)
+        for p in method.parts
+    }
+    names = list(parts) if hf_names is None else list(hf_names)
+    unknown = [n for n in names if n not in parts]
+    if unknown:
+        raise KeyError(f"not NVFP4 weights of this model: {unknown} (give HF module names)")
+    out = {}
+    for name in names:
+        layer, method, part = parts[name]
+        state = nvfp4_to_state(name, method.read_part(layer, part))
+        out.update({k: v.detach().to("cpu", copy=True) for k, v in state.items()})
+    return out
+
+
+def execution_fingerprints(
+    model: torch.nn.Module, recipe: NVFP4Recipe
+) -> dict[str, dict[str, Any]]:
+    """How each HF weight's GEMM runs: ``{hf_name: {"mode", "recipe", "kernel", "config"}}``
+    (the record :func:`minite_common.diagnostics.diff_fingerprints` compares)."""
+    config = (
+        f"weight={'16x16' if recipe.weight_block_2d else '1x16'} blocks/tensor amax, "
+        f"activation=1x16 blocks/{recipe.activation_amax} amax"
+    )
+    packed = getattr(model, "packed_modules_mapping", {})
+    records: dict[str, dict[str, Any]] = {}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, NVFP4LayerMixin):
+            device = getattr(module, f"{method.stems[0]}weight").device
+            record = {"mode": "nvfp4", "recipe": recipe.fingerprint(), "kernel": gemm_path(device),
+                      "config": config}  # fmt: skip
+            records.update({p.hf_name: dict(record) for p in method.parts})
+        elif isinstance(module, RoutedExperts):
+            names = [n for expert in hf_expert_names(module.layer_name, module) for n in expert]
+            records.update({n: {"mode": "bf16", "recipe": recipe.fingerprint()} for n in names})
+        elif isinstance(module, LinearBase | VocabParallelEmbedding):
+            names = hf_module_names(prefix, packed)
+            records.update({n: {"mode": "bf16", "recipe": recipe.fingerprint()} for n in names})
+    return records

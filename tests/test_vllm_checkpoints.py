@@ -1,0 +1,195 @@
+"""Pre-quantized checkpoints: ``minite quantize-model``, the ``minite`` quantization config, and
+bad checkpoints failing at load with errors that name the layer (in vLLM's real CPU engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minite.cli import main as minite_main
+from minite.tiny_model import TinyModelSpec, write_tiny_model
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe, RecipeMismatchError, quantize_weight
+from minite_common.checkpoint import nvfp4_to_state, quantization_config
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tiny_dense_dir, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("quantized") / "q"
+    assert minite_main(["quantize-model", str(tiny_dense_dir), str(dst)]) == 0
+    return dst
+
+
+def test_quantize_model_writes_the_learners_bytes(tiny_dense_dir, quantized_dir):
+    src, dst = (
+        load_file(tiny_dense_dir / "model.safetensors"),
+        load_file(quantized_dir / "model.safetensors"),
+    )
+    config = json.loads((quantized_dir / "config.json").read_text())
+    assert config["quantization_config"] == quantization_config(DEFAULT_RECIPE)
+    expected = {}
+    for name, t in src.items():
+        module = name.rsplit(".", 1)[0]
+        if module.rsplit(".", 1)[-1] in LINEAR_NAMES:
+            expected.update(nvfp4_to_state(module, quantize_weight(t)))
+        else:
+            expected[name] = t
+    assert dst.keys() == expected.keys()
+    assert all(
+        dst[k].dtype == expected[k].dtype and torch.equal(bits(dst[k]), bits(expected[k]))
+        for k in dst
+    )
+    assert (quantized_dir / "tokenizer.json").exists()
+
+
+def test_quantize_model_refuses_a_quantized_source_and_a_used_destination(
+    tiny_dense_dir, quantized_dir, tmp_path
+):
+    with pytest.raises(ValueError, match="already quantized"):
+        minite_main(["quantize-model", str(quantized_dir), str(tmp_path / "again")])
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        minite_main(["quantize-model", str(tiny_dense_dir), str(quantized_dir)])
+
+
+def test_quantize_model_keeps_the_shards_and_rewrites_the_index(tiny_dense_dir, tmp_path):
+    src = tmp_path / "sharded"
+    src.mkdir()
+    tensors = load_file(tiny_dense_dir / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(src / file), metadata={"format": "pt"})
+    weight_map = {k: f for f, keys in shards.items() for k in keys}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (src / "config.json").write_text((tiny_dense_dir / "config.json").read_text())
+    minite_main(["quantize-model", str(src), str(tmp_path / "q")])
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    for file in shards:
+        for key in load_file(tmp_path / "q" / file):
+            assert index["weight_map"].pop(key) == file
+    assert index["weight_map"] == {}
+
+
+def test_config_recipe_from_checkpoint_env_and_default(tmp_path, monkeypatch):
+    from minite_vllm.config import RECIPE_ENV, MiniteConfig
+
+    monkeypatch.delenv(RECIPE_ENV, raising=False)
+    assert MiniteConfig().recipe == DEFAULT_RECIPE and not MiniteConfig().prequantized
+    keep = NVFP4Recipe(bf16_first_layers=1)
+    config = MiniteConfig.from_config(quantization_config(keep))
+    assert config.prequantized and config.recipe == keep
+    (tmp_path / "recipe.json").write_text(json.dumps(keep.to_dict()))
+    monkeypatch.setenv(RECIPE_ENV, str(tmp_path / "recipe.json"))
+    assert MiniteConfig().recipe == keep
+    with pytest.raises(RecipeMismatchError, match=RECIPE_ENV):
+        MiniteConfig.from_config(quantization_config(DEFAULT_RECIPE))
+
+
+def test_config_claims_minite_checkpoints_only():
+    from minite_vllm.config import MiniteConfig
+
+    cfg = quantization_config(DEFAULT_RECIPE)
+    assert MiniteConfig.override_quantization_method(cfg, None) == "minite"
+    assert MiniteConfig.override_quantization_method({"quant_method": "fp8"}, None) is None
+    with pytest.raises(RecipeMismatchError, match="fingerprint"):
+        MiniteConfig.override_quantization_method({**cfg, "fingerprint": "nvfp4-v1-0"}, "minite")
+
+
+def test_a_fused_layer_is_kept_in_bf16_whole_or_not_at_all():
+    from minite_vllm.config import MiniteConfig, hf_module_names
+
+    mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    prefix = "model.layers.0.self_attn.qkv_proj"
+    names = hf_module_names(prefix, mapping)
+    assert names == [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    config = MiniteConfig(NVFP4Recipe(bf16_modules=(r"\.k_proj$",)))
+    with pytest.raises(ValueError, match="vLLM fuses them into one layer"):
+        config.keeps_bf16(prefix, names, 2)
+
+
+def test_register_is_idempotent():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    import minite_vllm
+
+    minite_vllm.register()
+    minite_vllm.register()
+    assert QUANTIZATION_METHODS.count("minite") == 1
+
+
+LOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM
+
+    if __name__ == "__main__":
+        for path in sys.argv[1:]:
+            try:
+                LLM(path, quantization="minite", enforce_eager=True, dtype="bfloat16",
+                    max_model_len=256)
+                print(json.dumps([path, "loaded"]), flush=True)
+            except Exception as e:
+                print(json.dumps([path, f"{type(e).__name__}: {e}"]), flush=True)
+    """
+)
+
+
+def _variant(quantized_dir, dst, tensors=None, config=None):
+    dst.mkdir()
+    for f in quantized_dir.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if tensors:
+        t = load_file(dst / "model.safetensors")
+        tensors(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def test_bad_checkpoints_fail_at_load_naming_the_layer(quantized_dir, tmp_path):
+    scale = "model.layers.1.mlp.down_proj.weight_scale"
+    cases = {
+        write_tiny_model(tmp_path / "dim", TinyModelSpec(intermediate_size=200)): (
+            r"model\.layers\.0\.mlp\.gate_proj.* 200, not a multiple of 16"
+        ),
+        _variant(quantized_dir, tmp_path / "missing",
+                 tensors=lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale_2")): (
+            r"lacks model\.layers\.0\.self_attn\.k_proj\.weight_scale_2"
+        ),
+        _variant(quantized_dir, tmp_path / "dtype",
+                 tensors=lambda t: t.update({scale: t[scale].float()})): (
+            rf"{scale}: a miniTE checkpoint stores this tensor as torch.float8_e4m3fn, found "
+            "torch.float32"
+        ),
+        _variant(quantized_dir, tmp_path / "recipe",
+                 config=lambda c: c["quantization_config"].update(fingerprint="nvfp4-v1-0")): (
+            "stored fingerprint 'nvfp4-v1-0' does not match its recipe"
+        ),
+    }  # fmt: skip
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # errors surface in-process
+    out = subprocess.run([sys.executable, str(script), *map(str, cases)], capture_output=True,
+                         text=True, timeout=300, env=env)  # fmt: skip
+    results = dict(json.loads(line) for line in out.stdout.splitlines() if line.startswith("["))
+    assert len(results) == len(cases), out.stderr[-3000:]
+    for path, pattern in cases.items():
+        assert results[str(path)] != "loaded", path
+        assert re.search(pattern, results[str(path)]), results[str(path)]
