@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from .recipe import RecipeMismatchError
+from .linear import gemm_path
+from .recipe import NVFP4Recipe, RecipeMismatchError
 
 
 class DiagnosticsInputError(ValueError):
@@ -337,6 +338,24 @@ def compare_layer_captures(
         only_in_a=sorted(set(a) - set(b)),
         only_in_b=sorted(set(b) - set(a)),
     )
+
+
+def execution_record(
+    recipe: NVFP4Recipe, device: torch.device | str | None = None, *, nvfp4: bool = True
+) -> dict[str, Any]:
+    """The execution record of one layer, as both engines report it for :func:`diff_fingerprints`.
+
+    NVFP4 layers: ``{"mode": "nvfp4", "recipe", "kernel" (the GEMM path on ``device``),
+    "config"}``; layers kept in high precision: ``{"mode": "bf16", "recipe"}``.
+    """
+    if not nvfp4:
+        return {"mode": "bf16", "recipe": recipe.fingerprint()}
+    config = (
+        f"weight={'16x16' if recipe.weight_block_2d else '1x16'} blocks/tensor amax, "
+        f"activation=1x16 blocks/{recipe.activation_amax} amax"
+    )
+    return {"mode": "nvfp4", "recipe": recipe.fingerprint(), "kernel": gemm_path(device or "cpu"),
+            "config": config}  # fmt: skip
 
 
 def diff_fingerprints(

@@ -20,8 +20,9 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, gemm_path, quantize_weight
+from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, quantize_weight
 from minite_common.checkpoint import nvfp4_to_state
+from minite_common.diagnostics import execution_record
 
 from .config import hf_expert_names, hf_module_names
 from .layer import SUFFIXES, NVFP4LayerMixin, Part, swap_param
@@ -273,23 +274,18 @@ def execution_fingerprints(
 ) -> dict[str, dict[str, Any]]:
     """How each HF weight's GEMM runs: ``{hf_name: {"mode", "recipe", "kernel", "config"}}``
     (the record :func:`minite_common.diagnostics.diff_fingerprints` compares)."""
-    config = (
-        f"weight={'16x16' if recipe.weight_block_2d else '1x16'} blocks/tensor amax, "
-        f"activation=1x16 blocks/{recipe.activation_amax} amax"
-    )
     packed = getattr(model, "packed_modules_mapping", {})
     records: dict[str, dict[str, Any]] = {}
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, NVFP4LayerMixin):
             device = getattr(module, f"{method.stems[0]}weight").device
-            record = {"mode": "nvfp4", "recipe": recipe.fingerprint(), "kernel": gemm_path(device),
-                      "config": config}  # fmt: skip
+            record = execution_record(recipe, device)
             records.update({p.hf_name: dict(record) for p in method.parts})
         elif isinstance(module, RoutedExperts):
             names = [n for expert in hf_expert_names(module.layer_name, module) for n in expert]
-            records.update({n: {"mode": "bf16", "recipe": recipe.fingerprint()} for n in names})
+            records.update({n: execution_record(recipe, nvfp4=False) for n in names})
         elif isinstance(module, LinearBase | VocabParallelEmbedding):
             names = hf_module_names(prefix, packed)
-            records.update({n: {"mode": "bf16", "recipe": recipe.fingerprint()} for n in names})
+            records.update({n: execution_record(recipe, nvfp4=False) for n in names})
     return records

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import pack_weights, unpack_weights, updates
+from . import capture, pack_weights, unpack_weights, updates
 from .config import MiniteConfig
 
 WeightsArg = bytes | list[tuple[str, torch.Tensor]]
@@ -70,3 +70,11 @@ class MiniteWorkerExtension:
     def get_recipe_fingerprint(self) -> str:
         """The fingerprint of the NVFP4 recipe this engine runs."""
         return self._minite_config().recipe.fingerprint()
+
+    def start_capture(self) -> None:
+        """Record the next forward pass layer by layer (see :mod:`minite_vllm.capture`)."""
+        capture.start_capture(self._minite_model())
+
+    def finish_capture(self) -> bytes:
+        """The recorded ``{"<hf module>:input|output": tensor}``, packed like the weights."""
+        return pack_weights(capture.finish_capture(self._minite_model()))

@@ -1,0 +1,209 @@
+"""Sampler-vs-learner alignment on one model: vLLM samples, Megatron scores the same tokens.
+
+Used by ``minite diagnose align`` / ``minite diagnose layers``, the alignment tests and the demo.
+The four setups of the alignment table:
+- (a) BF16 sampler + BF16 learner;
+- (b) miniTE sampler + BF16 learner (the usual "quantized rollouts");
+- (c) miniTE sampler + miniTE learner;
+- (d) miniTE sampler + a learner whose NVFP4 uses a per-tensor activation amax (Transformer
+  Engine's choice for activations), everything else equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common.diagnostics import (
+    LayerComparison,
+    MismatchReport,
+    compare_layer_captures,
+    diff_fingerprints,
+    logprob_mismatch,
+)
+
+#: vLLM settings for the CPU build (ENVIRONMENT.md); callers may override.
+VLLM_CPU_KWARGS = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}
+
+SETUPS = {
+    "a": "BF16 sampler + BF16 learner",
+    "b": "miniTE sampler + BF16 learner",
+    "c": "miniTE sampler + miniTE learner",
+    "d": "miniTE sampler + per-tensor-activation NVFP4 learner",
+}
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Sampled sequences: prompt and completion token ids and the sampler's log-probs."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    fingerprint: str | None
+
+
+def start_sampler(model_dir: str | Path, *, nvfp4: bool = True, seed: int = 0, **kwargs: Any):
+    """A vLLM ``LLM`` on ``model_dir`` (``quantization="minite"`` when ``nvfp4``) with miniTE's
+    worker extension, so weight updates, captures and fingerprints are available."""
+    from vllm import LLM
+
+    from minite_vllm import WORKER_EXTENSION
+
+    args = dict(VLLM_CPU_KWARGS, seed=seed, worker_extension_cls=WORKER_EXTENSION, **kwargs)
+    if nvfp4:
+        args["quantization"] = "minite"
+    return LLM(str(model_dir), **args)
+
+
+def stop_sampler(llm: Any) -> None:
+    """Shut a vLLM engine down and free its processes."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def sample(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+) -> Rollouts:
+    """Sample ``n`` completions per prompt with the log-prob of every sampled token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed,
+        stop_token_ids=list(stop_token_ids or []),
+    )  # fmt: skip
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                           use_tqdm=False)  # fmt: skip
+    rollouts = Rollouts([], [], [], None)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        for completion in out.outputs:
+            ids = list(completion.token_ids)
+            rollouts.prompts.append(list(prompt))
+            rollouts.completions.append(ids)
+            rollouts.logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs,
+                                                                      strict=True)])  # fmt: skip
+    rollouts.fingerprint = sampler_fingerprint(llm)
+    return rollouts
+
+
+def sampler_fingerprint(llm: Any) -> str | None:
+    """The recipe fingerprint a vLLM engine runs (None for an engine without miniTE)."""
+    if llm.llm_engine.vllm_config.model_config.quantization != "minite":
+        return None
+    return llm.collective_rpc("get_recipe_fingerprint")[0]
+
+
+def learner_logprobs(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    *, pad_id: int = 0, batch_size: int = 64,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The learner's float32 log-prob of each completion token given its prefix."""
+    from minite_megatron import token_logprobs
+
+    result: list[torch.Tensor] = []
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, : len(s)] = torch.tensor(s)
+        with torch.no_grad():
+            lp = token_logprobs(model, ids).float().cpu()
+        for i in range(len(chunk)):
+            p, c = len(prompts[start + i]), len(completions[start + i])
+            result.append(lp[i, p - 1 : p - 1 + c])
+    return result
+
+
+def build_learner(model_dir: str | Path, *, nvfp4: bool, recipe: NVFP4Recipe = DEFAULT_RECIPE):
+    """A Megatron ``GPTModel`` of ``model_dir`` with the miniTE spec (or the BF16 local spec)."""
+    from minite_megatron import build_gpt_model_from_hf
+
+    return build_gpt_model_from_hf(model_dir, nvfp4=nvfp4, recipe=recipe)
+
+
+def four_setups(
+    model_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int = 4,
+    max_tokens: int = 16,
+    seed: int = 0,
+) -> dict[str, MismatchReport]:
+    """Mismatch reports of setups (a)-(d) on ``model_dir`` (see the module docstring)."""
+    rollouts = {}
+    for nvfp4 in (False, True):
+        llm = start_sampler(model_dir, nvfp4=nvfp4, seed=seed)
+        rollouts[nvfp4] = sample(llm, prompts, n=n, max_tokens=max_tokens, seed=seed)
+        stop_sampler(llm)
+    per_tensor = dataclasses.replace(DEFAULT_RECIPE, activation_amax="tensor")
+    learners = {
+        "a": (False, False, DEFAULT_RECIPE),
+        "b": (True, False, DEFAULT_RECIPE),
+        "c": (True, True, DEFAULT_RECIPE),
+        "d": (True, True, per_tensor),
+    }
+    reports = {}
+    for key, (sampler_nvfp4, learner_nvfp4, recipe) in learners.items():
+        r = rollouts[sampler_nvfp4]
+        model = build_learner(model_dir, nvfp4=learner_nvfp4, recipe=recipe)
+        lp = learner_logprobs(model, r.prompts, r.completions)
+        reports[key] = logprob_mismatch(
+            r.logprobs, lp, sampler_fingerprint=r.fingerprint,
+            learner_fingerprint=recipe.fingerprint() if learner_nvfp4 else None,
+            allow_recipe_mismatch=True,
+        )  # fmt: skip
+        del model
+        gc.collect()
+    return reports
+
+
+def four_setup_table(reports: dict[str, MismatchReport]) -> str:
+    """A Markdown table of the headline figures of :func:`four_setups`."""
+    keys = ("token_mult_prob_error", "k3_kl_sampler_learner", "mean_abs_diff", "max_abs_diff",
+            "frac_bitwise_equal")  # fmt: skip
+    lines = ["| setup | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for key, report in reports.items():
+        values = " | ".join(f"{report.summary[k]:.6g}" for k in keys)
+        lines.append(f"| ({key}) {SETUPS[key]} | {values} |")
+    return "\n".join(lines)
+
+
+def layer_alignment(
+    llm: Any, model: torch.nn.Module, input_ids: Sequence[int]
+) -> tuple[LayerComparison, list[str], dict[str, torch.Tensor]]:
+    """Capture both engines on one sequence and compare them layer by layer.
+
+    Returns the comparison (forward order of the learner), the execution-fingerprint diff and the
+    sampler's captures (whose ``:input`` tensors can be fed to the learner's layers).
+    """
+    from vllm import SamplingParams
+
+    from minite_megatron.capture import capture_layers, execution_fingerprints
+    from minite_vllm import unpack_weights
+
+    llm.collective_rpc("start_capture")
+    llm.generate({"prompt_token_ids": list(input_ids)}, SamplingParams(max_tokens=1),
+                 use_tqdm=False)  # fmt: skip
+    sampler = unpack_weights(llm.collective_rpc("finish_capture")[0])
+    learner = capture_layers(model, torch.tensor(list(input_ids)))
+    comparison = compare_layer_captures(sampler, learner, order=list(learner))
+    fingerprints = diff_fingerprints(
+        llm.collective_rpc("get_execution_fingerprints")[0], execution_fingerprints(model)
+    )
+    return comparison, fingerprints, sampler
