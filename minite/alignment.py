@@ -31,6 +31,15 @@ from minite_common.diagnostics import (
 #: vLLM settings for the CPU build (ENVIRONMENT.md); callers may override.
 VLLM_CPU_KWARGS = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}
 
+#: Environment the vLLM CPU build needs: a bounded KV cache, no thread pinning, no hub.
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 SETUPS = {
     "a": "BF16 sampler + BF16 learner",
     "b": "miniTE sampler + BF16 learner",
@@ -49,9 +58,18 @@ class Rollouts:
     fingerprint: str | None
 
 
+def configure_cpu_engines() -> None:
+    """Set the vLLM CPU-build variables ENVIRONMENT.md requires, unless the user set them."""
+    import os
+
+    for key, value in CPU_ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def start_sampler(model_dir: str | Path, *, nvfp4: bool = True, seed: int = 0, **kwargs: Any):
     """A vLLM ``LLM`` on ``model_dir`` (``quantization="minite"`` when ``nvfp4``) with miniTE's
     worker extension, so weight updates, captures and fingerprints are available."""
+    configure_cpu_engines()
     from vllm import LLM
 
     from minite_vllm import WORKER_EXTENSION

@@ -427,3 +427,35 @@ def plot_report(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def layer_health(
+    activations: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    recipe: NVFP4Recipe,
+) -> list[dict[str, Any]]:
+    """Quantizer health of each layer's activation (quantized per row, 1x16) and weight (the
+    recipe's weight quantization), ``{"name", "tensor", **quantizer_health}`` per row."""
+    from .health import quantizer_health
+    from .linear import quantize_weight
+    from .nvfp4 import quantize_nvfp4
+
+    rows = []
+    for name, x in activations.items():
+        x2 = x.reshape(-1, x.shape[-1])
+        q = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe)
+        rows.append({"name": name, "tensor": "activation", **quantizer_health(x2, q)})
+    for name, w in weights.items():
+        health = quantizer_health(w, quantize_weight(w, recipe=recipe, name=name))
+        rows.append({"name": name, "tensor": "weight", **health})
+    return rows
+
+
+def health_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A terminal table of :func:`layer_health` rows."""
+    keys = ("amax", "snr_db", "zero_scales", "subnormal_scales", "saturated_scales",
+            "flushed_to_zero")  # fmt: skip
+    lines = [f"{'layer':48s} {'tensor':10s}" + "".join(f"{k:>17s}" for k in keys)]
+    for r in rows:
+        lines.append(f"{r['name']:48s} {r['tensor']:10s}" + "".join(f"{r[k]:17.4g}" for k in keys))
+    return "\n".join(lines)
