@@ -225,3 +225,29 @@ def layer_alignment(
         llm.collective_rpc("get_execution_fingerprints")[0], execution_fingerprints(model)
     )
     return comparison, fingerprints, sampler
+
+
+def sync_weights(llm: Any, model: torch.nn.Module) -> None:
+    """Push the learner's weights (HF names, BF16) into the running sampler, which re-quantizes
+    them with the same recipe: the RL weight sync, one call."""
+    from minite_megatron import export_hf_weights
+    from minite_vllm import pack_weights
+
+    llm.collective_rpc("update_weights_bf16", args=(pack_weights(export_hf_weights(model)),))
+
+
+def weights_in_sync(llm: Any, model: torch.nn.Module) -> bool:
+    """Whether every NVFP4 weight in the sampler equals the learner's quantized weight bitwise."""
+    from minite_megatron import export_hf_weights
+    from minite_vllm import unpack_weights
+
+    sampler = unpack_weights(llm.collective_rpc("get_quantized_weights")[0])
+    learner = dict(export_hf_weights(model, quantized=True))
+    return bool(sampler) and all(
+        name in learner
+        and t.dtype == learner[name].dtype
+        and torch.equal(
+            t.reshape(-1).view(torch.uint8), learner[name].reshape(-1).view(torch.uint8)
+        )
+        for name, t in sampler.items()
+    )

@@ -121,6 +121,11 @@ class DebugConfig:
         )
 
     @classmethod
+    def disabling(cls, patterns: Iterable[str], **kwargs: Any) -> DebugConfig:
+        """A configuration that runs the layers matching ``patterns`` (regexes) in BF16."""
+        return cls(rules=tuple(DebugRule(p, disable_quantization=True) for p in patterns), **kwargs)
+
+    @classmethod
     def load(cls, path: str | Path) -> DebugConfig:
         """Read a YAML (or JSON) file."""
         import yaml
@@ -169,10 +174,14 @@ def check_same_layers(a: Iterable[str], b: Iterable[str], config: DebugConfig) -
 
 @dataclass
 class DebugSession:
-    """The active configuration in one process, with per-layer call counters and the writers."""
+    """The active configuration in one process, with per-layer call counters and the writers.
+
+    ``recipe`` is the engine's recipe: statistics quantize tensors the way it does.
+    """
 
     config: DebugConfig
     engine: str
+    recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
     calls: dict[str, int] = field(default_factory=dict)
     _file: Any = None
     _tb: Any = None
@@ -186,8 +195,9 @@ class DebugSession:
             return index, None
         return index, rule
 
-    def log(self, name: str, kind: str, call: int, x: torch.Tensor, recipe: NVFP4Recipe) -> None:
+    def log(self, name: str, kind: str, call: int, x: torch.Tensor) -> None:
         """Append one stats record for tensor ``kind`` of layer ``name``."""
+        recipe = self.recipe
         x2 = x.detach().reshape(-1, x.shape[-1])
         quantizable = x2.shape[-1] % 16 == 0 and x2.dtype.is_floating_point and x2.numel()
         block_2d = kind == "weight" and recipe.weight_block_2d
@@ -211,20 +221,74 @@ class DebugSession:
                     self._tb.add_scalar(f"{name}/{kind}/{key}", value, call)
 
 
-_SESSIONS: dict[str, DebugSession | None] = {}
+_ACTIVATED: dict[str, DebugSession | None] = {}
+_FROM_ENV: dict[tuple[str, str], DebugSession] = {}
 
 
 def activate(config: DebugConfig | None, engine: str) -> None:
-    """Make ``config`` the active debug configuration of ``engine`` in this process (None: off)."""
-    _SESSIONS[engine] = None if config is None else DebugSession(config, engine)
+    """Make ``config`` the debug configuration of ``engine`` in this process (None: off, whatever
+    the environment says); call it before the engine builds its model. :func:`deactivate`
+    returns to the environment variable."""
+    _ACTIVATED[engine] = None if config is None else DebugSession(config, engine)
+
+
+def deactivate(engine: str) -> None:
+    """Forget :func:`activate` for ``engine``: ``MINITE_DEBUG_CONFIG`` decides again."""
+    _ACTIVATED.pop(engine, None)
 
 
 def session(engine: str) -> DebugSession | None:
-    """The active session of ``engine``: from :func:`activate`, else ``MINITE_DEBUG_CONFIG``."""
-    if engine not in _SESSIONS:
-        path = os.environ.get(ENV_VAR)
-        _SESSIONS[engine] = DebugSession(DebugConfig.load(path), engine) if path else None
-    return _SESSIONS[engine]
+    """The active session of ``engine``: from :func:`activate`, else ``MINITE_DEBUG_CONFIG``.
+
+    Engines consult it while building their layers only, so with no configuration nothing is
+    hooked and the forward and backward paths run no debug code at all."""
+    if engine in _ACTIVATED:
+        return _ACTIVATED[engine]
+    path = os.environ.get(ENV_VAR)
+    if not path:
+        return None
+    if (engine, path) not in _FROM_ENV:
+        _FROM_ENV[(engine, path)] = DebugSession(DebugConfig.load(path), engine)
+    return _FROM_ENV[(engine, path)]
+
+
+def debug_recipe(recipe: NVFP4Recipe, engine: str) -> NVFP4Recipe:
+    """``recipe`` with the active debug configuration's BF16 layers (unchanged when none), and
+    the session set to quantize its statistics that way. Both plugins call this once."""
+    s = session(engine)
+    if s is None:
+        return recipe
+    s.recipe = s.config.apply_to_recipe(recipe)
+    return s.recipe
+
+
+def linear_hook(
+    engine: str, names: Sequence[str], weight: Callable[[str], torch.Tensor | None]
+) -> Callable | None:
+    """A forward hook that logs the statistics the active configuration asks for on the linear
+    holding HF weights ``names`` (input activation, ``weight(name)``, output, and in training
+    the output gradient). None when no rule logs these layers, so nothing is hooked."""
+    s = session(engine)
+    if s is None or not any(s.config.stats_rule(n) for n in names):
+        return None
+
+    def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        for name in names:
+            call, rule = s.next_call(name)
+            if rule is None:
+                continue
+            if "activation" in rule.tensors:
+                s.log(name, "activation", call, args[0])
+            w = weight(name) if "weight" in rule.tensors else None
+            if w is not None:
+                s.log(name, "weight", call, w)
+            if "output" in rule.tensors:
+                s.log(name, "output", call, out)
+            if "gradient" in rule.tensors and out.requires_grad:
+                out.register_hook(lambda g, name=name, call=call: s.log(name, "gradient", call, g))
+
+    return hook
 
 
 def bisect_layers(

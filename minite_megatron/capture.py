@@ -11,11 +11,13 @@ from typing import Any
 import torch
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common.debug import linear_hook
 from minite_common.diagnostics import execution_record
 
 from .hf import weight_bindings
 from .linear import NVFP4LinearMixin
 from .model import token_logprobs
+from .spec import DEBUG_ENGINE
 
 
 def hf_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, dict[str, slice]]]:
@@ -40,7 +42,8 @@ def hf_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, dict[
     return linears
 
 
-def _columns(out: torch.Tensor, where: slice | list[slice]) -> torch.Tensor:
+def select_columns(out: torch.Tensor, where: slice | list[slice]) -> torch.Tensor:
+    """The columns ``where`` (a slice or slices, from :func:`hf_linears`) of ``out``."""
     if isinstance(where, slice):
         return out[..., where]
     return torch.cat([out[..., s] for s in where], dim=-1)
@@ -63,7 +66,7 @@ def capture_layers(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str,
             out = output[0] if isinstance(output, tuple) else output
             for name, where in columns.items():
                 keep(f"{name}:input", args[0])
-                keep(f"{name}:output", _columns(out, where))
+                keep(f"{name}:output", select_columns(out, where))
 
         handles.append(module.register_forward_hook(hook))
     for layer in model.decoder.layers:
@@ -103,3 +106,22 @@ def execution_fingerprints(
         for name in b.hf_names.values():
             records[name.removesuffix(".weight")] = dict(record)
     return records
+
+
+def attach_debug_hooks(model: torch.nn.Module) -> int:
+    """Hook the linears that the active debug configuration logs (``MINITE_DEBUG_CONFIG`` or
+    :func:`minite_common.debug.activate` with engine ``"megatron"``); returns how many.
+
+    Weight statistics use the master weight rows of each HF module. A no-op without a config.
+    """
+    hooked = 0
+    for module, columns in hf_linears(model).values():
+
+        def weight(name: str, module=module, columns=columns) -> torch.Tensor:
+            return select_columns(module.weight.detach().t(), columns[name]).t()
+
+        hook = linear_hook(DEBUG_ENGINE, list(columns), weight)
+        if hook is not None:
+            module.register_forward_hook(hook)
+            hooked += 1
+    return hooked

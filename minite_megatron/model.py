@@ -74,7 +74,8 @@ def build_gpt_model_from_hf(
     :func:`transformer_config_from_hf` (``config_overrides`` set other fields), builds the
     miniTE spec (``nvfp4=False``: Megatron's local BF16 spec, same structure), casts parameters
     to the config's dtype as Megatron's mixed-precision wrapper does, moves the model to the
-    current CUDA device if there is one, and loads the BF16 weights (this rank's shards).
+    current CUDA device if there is one, loads the BF16 weights (this rank's shards) and attaches
+    the statistics hooks of an active debug configuration.
     """
     from transformers import AutoConfig
 
@@ -94,6 +95,9 @@ def build_gpt_model_from_hf(
         model.cuda(torch.cuda.current_device())
     if load_weights:
         load_hf_weights(model, hf_dir)
+    from .capture import attach_debug_hooks  # capture builds on this module
+
+    attach_debug_hooks(model)
     return model
 
 

@@ -28,10 +28,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common.debug import debug_recipe
 from minite_common.recipe import DEFAULT_BF16_MODULES
 
 from .compat import accepted_kwargs
 from .linear import MiniTEColumnParallelLinear, MiniTERowParallelLinear, check_config_supported
+
+#: The engine name under which the learner reads the debug configuration.
+DEBUG_ENGINE = "megatron"
 
 _NVFP4_CLASS = {
     ColumnParallelLinear: MiniTEColumnParallelLinear,
@@ -212,9 +216,11 @@ def get_gpt_decoder_block_minite_spec(
 ) -> TransformerBlockSubmodules:
     """The model-provider switch: ``GPTModel(config, get_gpt_decoder_block_minite_spec(config),
     ...)`` builds this pipeline stage's layers with NVFP4 linears, each layer as the recipe says
-    (dense/MoE pattern from ``config.moe_layer_freq``, BF16 first/last layers).
+    (dense/MoE pattern from ``config.moe_layer_freq``, BF16 first/last layers). An active
+    debug configuration (``MINITE_DEBUG_CONFIG``) adds its BF16 layers to the recipe.
     """
     check_spec_config(config)
+    recipe = debug_recipe(recipe, DEBUG_ENGINE)
     check_recipe_supported(recipe, moe=config.num_moe_experts is not None)
     block = get_gpt_decoder_block_spec(
         config,

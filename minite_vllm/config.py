@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe, check_fingerprints
 from minite_common.checkpoint import QUANT_METHOD, recipe_from_quantization_config
+from minite_common.debug import debug_recipe, linear_hook
 
 #: Environment variable naming a JSON file with the recipe for online quantization: either
 #: ``NVFP4Recipe.to_dict()`` or a whole miniTE ``quantization_config``.
@@ -78,6 +80,23 @@ def _num_hidden_layers() -> int | None:
     return getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
 
 
+DEBUG_ENGINE = "vllm"
+
+
+def debug_weight(
+    layer: torch.nn.Module, method: QuantizeMethodBase, names: list[str], name: str
+) -> torch.Tensor:
+    """The weight rows of HF module ``name`` as the layer serves them (dequantized if NVFP4)."""
+    parts = getattr(method, "parts", None)
+    if parts is not None:
+        part = next(p for p in parts if p.hf_name == name)
+        return method.read_part(layer, part).dequantize()
+    sizes = list(getattr(layer, "output_partition_sizes", [layer.weight.shape[0]]))
+    if len(sizes) != len(names):
+        return layer.weight
+    return layer.weight.split(sizes)[names.index(name)]
+
+
 class MiniteConfig(QuantizationConfig):
     """vLLM quantization config ``minite``: NVFP4 W4A4 linear layers and MoE experts.
 
@@ -92,7 +111,7 @@ class MiniteConfig(QuantizationConfig):
             recipe = env_recipe or DEFAULT_RECIPE
         elif env_recipe is not None:
             check_fingerprints(recipe.fingerprint(), env_recipe.fingerprint(), RECIPE_ENV)
-        self.recipe = recipe
+        self.recipe = debug_recipe(recipe, DEBUG_ENGINE)
         self.prequantized = prequantized
 
     def __repr__(self) -> str:
@@ -139,8 +158,13 @@ class MiniteConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             names = hf_module_names(prefix, self.packed_modules_mapping)
             if self.keeps_bf16(prefix, names, num_layers):
-                return MiniteBF16LinearMethod()
-            return MiniteLinearMethod(self, names)
+                method = MiniteBF16LinearMethod()
+            else:
+                method = MiniteLinearMethod(self, names)
+            hook = linear_hook(DEBUG_ENGINE, names, partial(debug_weight, layer, method, names))
+            if hook is not None:
+                layer.register_forward_hook(hook)
+            return method
         if isinstance(layer, RoutedExperts):
             experts = hf_expert_names(prefix, layer)
             if self.keeps_bf16(prefix, [n for e in experts for n in e], num_layers):

@@ -24,7 +24,7 @@ from minite.alignment import (
 from minite_common import DEFAULT_RECIPE
 from minite_common.diagnostics import logprob_mismatch, write_logprob_file
 from minite_megatron import export_hf_weights
-from minite_megatron.capture import hf_linears
+from minite_megatron.capture import hf_linears, select_columns
 from minite_vllm import unpack_weights
 
 PROMPT_IDS = list(b"The quick brown fox jumps over the lazy dog 12+34=")
@@ -51,12 +51,7 @@ def test_every_nvfp4_linear_agrees_bitwise_given_the_same_input(engines):
             x = sampler[f"{name}:input"]
             with torch.no_grad():
                 out = module(x.unsqueeze(1))[0].squeeze(1)
-            piece = (
-                out[..., where]
-                if isinstance(where, slice)
-                else torch.cat([out[..., s] for s in where], dim=-1)
-            )
-            assert torch.equal(piece, sampler[f"{name}:output"]), name
+            assert torch.equal(select_columns(out, where), sampler[f"{name}:output"]), name
             checked += 1
     assert checked >= 8  # q, k, v, o per layer (+ gate, up, down for the dense model)
     # The captures agree up to the first op that the engines compute differently.
