@@ -9,7 +9,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/minite quantize-check
+	$(VENV)/bin/minite demo
 
 test: setup
 	$(VENV)/bin/python -m pytest

@@ -52,12 +52,12 @@ class DemoConfig:
     tiny: bool = False  # smaller and shorter (the CI variant)
     hidden_size: int = 128
     num_layers: int = 2
-    steps: int = 12
-    warmup_steps: int = 150
-    prompts_per_step: int = 16
+    steps: int = 40
+    warmup_steps: int = 60
+    prompts_per_step: int = 32
     group_size: int = 8
     max_tokens: int = 4
-    lr: float = 3e-4
+    lr: float = 2e-3
     warmup_lr: float = 3e-3
     clip_eps: float = 0.2
     tis_cap: float = 2.0
@@ -67,7 +67,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if self.tiny:
-            self.hidden_size, self.warmup_steps = 64, 40
+            self.hidden_size, self.warmup_steps = 64, 20
             self.prompts_per_step, self.group_size = 8, 4
 
 
