@@ -12,10 +12,12 @@ from .dispatch import BACKEND_ENV, kernel_arch
 
 __all__ = [
     "BACKEND_ENV",
+    "decoded_weight",
     "gemm_path",
     "grouped_nvfp4_gemm",
     "kernel_arch",
     "nvfp4_gemm",
+    "quantize_grad_operands",
     "quantize_nvfp4",
 ]
 
@@ -58,3 +60,18 @@ def gemm_path(arch: str) -> str:
     from .w4a4_gemm import gemm_path_sm90
 
     return gemm_path_sm90()
+
+
+def quantize_grad_operands(x: torch.Tensor, **kwargs):
+    """The learner's backward operands on Hopper as exact BF16 ``code * scale`` values (see
+    ``nvfp4_grad.quantize_grad_operands``)."""
+    from .nvfp4_grad import quantize_grad_operands as impl
+
+    return impl(x, **kwargs)
+
+
+def decoded_weight(w) -> torch.Tensor:
+    """BF16 ``code * scale * 2^-7`` of an NVFP4 weight in natural order, cached per version."""
+    from .nvfp4_grad import decoded_weight as impl
+
+    return impl(w)

@@ -9,14 +9,21 @@ runs and which the contract leaves to it:
   token dimension after the random Hadamard transform (tokens zero-padded to a multiple of 16);
 - the bias gradient in float32.
 All three GEMMs run through :func:`nvfp4_gemm` (the exact torch path on the CPU, the Triton
-kernels on the GPU).
+kernels on the GPU), except on Hopper (sm_90), which has no FP4 MMA: there the same operands are
+quantized by fused Triton kernels straight to their exact BF16 values ``code * block scale``
+(stochastic rounding and RHT included) and dgrad/wgrad run as cuBLAS BF16 GEMMs with FP32
+output, the global decode scales applied after (:func:`hopper_grad_operands`). Same quantized
+operands, another (free) accumulation order; ``HOPPER_CUBLAS_BACKWARD = False`` restores the
+``nvfp4_gemm`` path there. The forward never changes.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
+from minite_kernels.dispatch import kernel_arch
 
 from .hadamard import random_hadamard_transform
 from .linear import check_weight, nvfp4_gemm, w4a4_linear
@@ -85,6 +92,92 @@ def nvfp4_wgrad(grad_out: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe) ->
     return nvfp4_gemm(g_q, x_q, out_dtype=torch.float32)
 
 
+#: Hopper backward through cuBLAS on exact BF16 operands (``MINITE_HOPPER_BACKWARD=nvfp4``: off).
+HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lower() != "nvfp4"
+_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm(..., out_dtype=float32) runs here (probed once)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of BF16 matrices with a float32 result (cuBLAS accumulates in float32)."""
+    if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            if not _MM_OUT_DTYPE:
+                _MM_OUT_DTYPE.append(True)
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[:] = [False]
+    return torch.mm(a, b).float()
+
+
+def hopper_grad_operands(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w_q: NVFP4Tensor,
+    recipe: NVFP4Recipe,
+    need_dx: bool,
+    need_dw: bool,
+) -> dict[str, torch.Tensor]:
+    """The backward GEMM operands on Hopper, as exact BF16 ``code * block scale`` values.
+
+    Keys: ``g_row`` [M, N] (dgrad: ``grad_out * w_dec`` in 1x16 blocks along N), ``w`` [N, K]
+    (the fprop weight's own codes and tiles, times 2^-7, cached per weight version), ``g_col``
+    [M16, N] and ``x_col`` [M16, K] (wgrad: 16-token blocks after the RHT, M16 = M rounded up to
+    16), and ``g_dec`` / ``x_dec`` float32 [2] (``[0]`` the row operand's, ``[1]`` the col
+    operand's decode scale). Per-tensor amax and stochastic rounding of gradients as the recipe
+    says, exactly like :func:`nvfp4_dgrad` / :func:`nvfp4_wgrad` (their torch quantizer).
+    """
+    import minite_kernels
+
+    stochastic = recipe.grad_stochastic_rounding
+    seed = int(torch.randint(0, 2**30, (1,)).item()) if stochastic else 0
+    g_row, g_col, g_dec = minite_kernels.quantize_grad_operands(
+        grad_out,
+        row=need_dx,
+        row_scale=w_q.decode_scale,
+        row_stochastic=stochastic,
+        col=need_dw,
+        rht=recipe.wgrad_rht,
+        col_stochastic=stochastic,
+        seed=seed,
+    )
+    out = {"g_dec": g_dec}
+    if need_dx:
+        out["g_row"] = g_row
+        out["w"] = minite_kernels.decoded_weight(w_q)
+    if need_dw:
+        _, x_col, x_dec = minite_kernels.quantize_grad_operands(
+            x, row=False, col=True, rht=recipe.wgrad_rht
+        )
+        out.update(g_col=g_col, x_col=x_col, x_dec=x_dec)
+    return out
+
+
+def _hopper_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w_q: NVFP4Tensor,
+    recipe: NVFP4Recipe,
+    need_dx: bool,
+    need_dw: bool,
+    dx_dtype: torch.dtype,
+    dw_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dX [M, K], dW [N, K])`` on Hopper: cuBLAS BF16 GEMMs of :func:`hopper_grad_operands`,
+    float32 accumulators times the decode scales, one rounding to the output dtype."""
+    ops = hopper_grad_operands(grad_out, x, w_q, recipe, need_dx, need_dw)
+    dx = dw = None
+    if need_dx:
+        acc = _mm_f32(ops["g_row"], ops["w"])
+        dx = torch.empty(acc.shape, dtype=dx_dtype, device=acc.device)
+        torch.mul(acc, ops["g_dec"][0] * 128.0, out=dx)  # 128: the decoded weight's 2^-7
+    if need_dw:
+        acc = _mm_f32(ops["g_col"].t(), ops["x_col"])
+        dw = torch.empty(acc.shape, dtype=dw_dtype, device=acc.device)
+        torch.mul(acc, ops["g_dec"][1] * ops["x_dec"][1], out=dw)
+    return dx, dw
+
+
 class _W4A4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_q, recipe):  # type: ignore[override]
@@ -104,10 +197,15 @@ class _W4A4LinearFunction(torch.autograd.Function):
             dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
             db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None
-        if ctx.needs_input_grad[0]:
-            dx = nvfp4_dgrad(g2, w_q, recipe).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = nvfp4_wgrad(g2, x2, recipe).to(weight.dtype)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (need_dx or need_dw) and HOPPER_CUBLAS_BACKWARD and kernel_arch(x.device) == "sm90":
+            dx, dw = _hopper_backward(g2, x2, w_q, recipe, need_dx, need_dw, x.dtype, weight.dtype)
+            dx = dx.reshape(x.shape) if dx is not None else None
+        else:
+            if need_dx:
+                dx = nvfp4_dgrad(g2, w_q, recipe).to(x.dtype).reshape(x.shape)
+            if need_dw:
+                dw = nvfp4_wgrad(g2, x2, recipe).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(bias.dtype)
         return dx, dw, db, None, None
