@@ -43,3 +43,17 @@ def e4m3_to_f32(code):
     subnormal = mantissa.to(tl.float32) * 0.001953125
     value = tl.where(exponent == 0, subnormal, normal)
     return tl.where(c == 0x7F, nan_like(value), value)
+
+
+@triton.jit
+def global_scales(amax):
+    """``S_enc = min(2688 / amax, FLT_MAX)`` (1 where amax or the result is 0) and
+    ``S_dec = 1 / S_enc``, IEEE divisions, NaN propagated (the contract's global scales)."""
+    s_enc = tl.minimum(
+        tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+    return s_enc, s_dec

@@ -35,26 +35,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp import FLT_MAX, INF, SIXTH_F32, e4m3_to_f32, f32_to_e4m3_rne, nan_like
+from ._fp import (
+    FLT_MAX,
+    INF,
+    SIXTH_F32,
+    e4m3_to_f32,
+    f32_to_e4m3_rne,
+    global_scales,
+    nan_like,
+)
 from .nvfp4_decode import CHUNK, STREAMS, decode_operand
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: Tile of the input per program: BLOCK_R tokens x BLOCK_C features (both multiples of 16).
 BLOCK_R = 64
 BLOCK_C = 64
-
-
-@triton.jit
-def _global_scales(amax):
-    """``S_enc``, ``S_dec`` of a per-tensor amax (contract: 2688/amax, 1 if 0)."""
-    s_enc = tl.minimum(
-        tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax),
-        FLT_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
-    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
-    return s_enc, s_dec
 
 
 SIGN = tl.constexpr(-(2**31))
@@ -249,7 +244,7 @@ def _grad_qdq_kernel(
     x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
     index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
     if ROW:
-        s_enc, s_dec = _global_scales(tl.load(stats_ptr + 0))
+        s_enc, s_dec = global_scales(tl.load(stats_ptr + 0))
         if first:
             bad = tl.load(stats_ptr + 1)
             tl.store(decode_ptr + 0, tl.where(bad != 0, nan_like(s_dec), s_dec))
@@ -259,7 +254,7 @@ def _grad_qdq_kernel(
         out = row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
         tl.store(out, q, mask=ok)
     if COL:
-        s_enc, s_dec = _global_scales(tl.load(stats_ptr + 2))
+        s_enc, s_dec = global_scales(tl.load(stats_ptr + 2))
         if first:
             bad = tl.load(stats_ptr + 3)
             tl.store(decode_ptr + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))

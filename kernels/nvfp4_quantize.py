@@ -13,20 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp import FLT_MAX, INF, SIXTH_F32, e4m3_to_f32, f32_to_e4m3_rne, nan_like
-
-
-@triton.jit
-def _global_scales(amax):
-    """Per-row ``S_enc`` and ``S_dec`` from the amax vector (contract: 2688/amax, 1 if 0)."""
-    s_enc = tl.minimum(
-        tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax),
-        FLT_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
-    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
-    return s_enc, s_dec
+from ._fp import (
+    FLT_MAX,
+    INF,
+    SIXTH_F32,
+    e4m3_to_f32,
+    f32_to_e4m3_rne,
+    global_scales,
+    nan_like,
+)
 
 
 @triton.jit
@@ -150,7 +145,7 @@ def _quantize_nvfp4_kernel(
         nonfinite = tl.load(nonfinite_ptr + offs_m * 0)
     if GIVEN_AMAX:
         amax = tl.load(amax_ptr + offs_m * amax_stride, mask=row_ok, other=1.0)
-    s_enc, s_dec = _global_scales(amax)
+    s_enc, s_dec = global_scales(amax)
     decode = tl.where(nonfinite != 0, nan_like(s_dec), s_dec)
     if ROW_AMAX:
         tl.store(decode_ptr + offs_m, decode, mask=row_ok)

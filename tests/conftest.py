@@ -38,3 +38,23 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory):
     from minite.tiny_model import TinyModelSpec, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny_moe"), TinyModelSpec(moe=True), seed=0)
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """Megatron-Core initialized in this process (one rank) for a test module, torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from minite_megatron import init_megatron
+
+    init_megatron(1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(params=["dense", "moe"])
+def hf_dir(request, tiny_dense_dir, tiny_moe_dir):
+    """Each tiny model directory in turn: dense Qwen3, then Qwen3-MoE."""
+    return tiny_dense_dir if request.param == "dense" else tiny_moe_dir

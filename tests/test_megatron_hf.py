@@ -6,8 +6,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -17,7 +15,6 @@ from minite_megatron import (
     build_gpt_model_from_hf,
     export_hf_weights,
     hf_quantization_config,
-    init_megatron,
     load_hf_weights,
     token_logprobs,
     transformer_config_from_hf,
@@ -25,18 +22,7 @@ from minite_megatron import (
 from minite_megatron.hf import HFCheckpoint, weight_bindings
 from minite_megatron.layout import qkv_segments
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    init_megatron(1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-@pytest.fixture(params=["dense", "moe"])
-def hf_dir(request, tiny_dense_dir, tiny_moe_dir):
-    return tiny_dense_dir if request.param == "dense" else tiny_moe_dir
+pytestmark = pytest.mark.usefixtures("megatron_world")
 
 
 def _tokens(seed: int, batch: int = 2, seq: int = 32) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -14,25 +13,13 @@ from minite_megatron import (
     MiniTERowParallelLinear,
     build_gpt_model_from_hf,
     get_gpt_layer_minite_spec,
-    init_megatron,
     invalidate_quantized_weights,
     token_logprobs,
 )
 from minite_megatron.hf import HFCheckpoint, weight_bindings
 from minite_megatron.linear import NVFP4LinearMixin
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    init_megatron(1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-@pytest.fixture(params=["dense", "moe"])
-def hf_dir(request, tiny_dense_dir, tiny_moe_dir):
-    return tiny_dense_dir if request.param == "dense" else tiny_moe_dir
+pytestmark = pytest.mark.usefixtures("megatron_world")
 
 
 def _tokens(seed: int, batch: int = 2, seq: int = 32) -> torch.Tensor:

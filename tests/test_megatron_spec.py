@@ -8,8 +8,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
@@ -20,20 +18,13 @@ from minite_megatron import (
     MiniTERowParallelLinear,
     get_gpt_decoder_block_minite_spec,
     gpt_model_kwargs_from_hf,
-    init_megatron,
     register_with_megatron_bridge,
     token_logprobs,
     transformer_config_from_hf,
 )
 from minite_megatron.cpu_shim import shim_targets
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    init_megatron(1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("megatron_world")
 
 
 def _build(spec_factory, tiny: TinyModelSpec | None = None, **overrides) -> GPTModel:
