@@ -8,6 +8,7 @@ from .linear import (
     grouped_w4a4_linear,
     nvfp4_gemm,
     quantize_weight,
+    row_amax,
     w4a4_linear,
 )
 from .nvfp4 import NVFP4Tensor, cat_rows, dequantize_nvfp4, quantize_nvfp4, unpack_codes
@@ -36,6 +37,7 @@ __all__ = [
     "quantize_weight",
     "random_hadamard_transform",
     "rht_matrix",
+    "row_amax",
     "unpack_codes",
     "w4a4_linear",
     "w4a4_linear_train",

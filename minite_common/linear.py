@@ -114,17 +114,29 @@ def check_weight(w: object, recipe: NVFP4Recipe, where: str = "w4a4_linear") -> 
     return w
 
 
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """The per-row amax the activation quantizer uses: float32 max |x| over finite elements of
+    each row of ``x`` [..., K] (flattened to rows). For a row-parallel linear, MAX-reduce it over
+    the tensor-parallel group and pass it as ``w4a4_linear(..., row_amax=)``: every shard then
+    quantizes its slice of the row exactly as the unsharded linear would."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    return torch.where(torch.isfinite(x2), x2, torch.zeros_like(x2)).abs().amax(dim=-1)
+
+
 def w4a4_linear(
     x: torch.Tensor,
     w: NVFP4Tensor,
     bias: torch.Tensor | None = None,
     *,
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
+    row_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 W4A4 linear: quantize ``x`` [..., K] per row, multiply by ``w`` [N, K], x's dtype out.
 
     Batch-invariant and deterministic: each output row depends only on its own input row.
-    Rows containing NaN/Inf come out NaN.
+    Rows containing NaN/Inf come out NaN. ``row_amax`` (one float32 per row) replaces the
+    activation amax computed from ``x``: the amax of the whole row when ``x`` is a
+    tensor-parallel slice of it (see :func:`row_amax`).
     """
     check_weight(w, recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
@@ -140,7 +152,9 @@ def w4a4_linear(
     if bias is not None and bias.shape != (w.rows,):
         raise ValueError(f"w4a4_linear: bias must have shape [{w.rows}], got {list(bias.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe)
+    if row_amax is not None and recipe.activation_amax != "row":
+        raise ValueError("w4a4_linear: row_amax needs a recipe with activation_amax='row'")
+    a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
     y = nvfp4_gemm(a, w, bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], w.rows)
 
@@ -172,11 +186,13 @@ def grouped_w4a4_linear(
     group_sizes: torch.Tensor | list[int],
     *,
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
+    row_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A4 linear for MoE experts: ``x`` [T, K] holds rows grouped by expert (group g has
     ``group_sizes[g]`` consecutive rows); ``w`` stacks the G expert weights as [G*N, K].
 
-    Row t of group g gives bitwise what ``w4a4_linear(x[t:t+1], expert g's weight)`` gives.
+    Row t of group g gives bitwise what ``w4a4_linear(x[t:t+1], expert g's weight)`` gives;
+    ``row_amax`` as in :func:`w4a4_linear`.
     """
     check_weight(w, recipe, "grouped_w4a4_linear")
     sizes = [int(s) for s in group_sizes]
@@ -186,7 +202,7 @@ def grouped_w4a4_linear(
             f"{list(x.shape)} and stacked weight {list(w.shape)}"
         )
     n = w.rows // len(sizes)
-    a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe)
+    a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
     if kernel_arch(x.device):
         return minite_kernels.grouped_nvfp4_gemm(a, w, sizes, out_dtype=x.dtype)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

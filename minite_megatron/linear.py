@@ -40,6 +40,7 @@ from minite_common import (
     NVFP4Tensor,
     cat_rows,
     quantize_weight,
+    row_amax,
     w4a4_linear_train,
 )
 
@@ -175,7 +176,12 @@ class NVFP4LinearMixin:
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         w_q = self.quantized_weight() if weight is self.weight else self.quantize(weight)
-        return w4a4_linear_train(input, weight, w_q, bias, recipe=self.recipe)
+        amax = None
+        if isinstance(self, RowParallelLinear) and get_pg_size(self.tp_group) > 1:
+            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+            amax = row_amax(input)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return w4a4_linear_train(input, weight, w_q, bias, recipe=self.recipe, row_amax=amax)
 
     def __repr__(self) -> str:
         megatron_repr = super().__repr__()  # "Class(in_features=..., TP=n)"
@@ -229,9 +235,10 @@ class MiniTEColumnParallelLinear(NVFP4LinearMixin, ColumnParallelLinear):
 class MiniTERowParallelLinear(NVFP4LinearMixin, RowParallelLinear):
     """Megatron's ``RowParallelLinear`` with NVFP4 W4A4 matmuls (see the module docstring).
 
-    With TP > 1 each rank runs the W4A4 linear on its K slice (activation amax per row of that
-    slice) and Megatron's all-reduce sums the BF16 partial outputs: the result differs in the low
-    bits from TP = 1 (see ``docs/megatron.md``).
+    With TP > 1 each rank quantizes its K slice of the activation with the whole row's amax
+    (one MAX all-reduce of a float per token), so every block gets the codes and scales it gets
+    at TP = 1; Megatron's all-reduce then sums the BF16 partial outputs, so the result differs
+    from TP = 1 in the accumulation order only (see ``docs/megatron.md``).
     """
 
     def __init__(

@@ -6,9 +6,10 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
+    RowParallelLinear,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
@@ -17,7 +18,7 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from minite_common import w4a4_linear
+from minite_common import row_amax, w4a4_linear
 
 from .layer import SUFFIXES, NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -156,7 +157,14 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return w4a4_linear(x, self.gemm_weight(layer, ""), bias, recipe=self.recipe)
+        amax = None
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+            amax = row_amax(x)
+            torch.distributed.all_reduce(
+                amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+            )
+        return w4a4_linear(x, self.gemm_weight(layer, ""), bias, recipe=self.recipe, row_amax=amax)
 
 
 class MiniteBF16LinearMethod(UnquantizedLinearMethod):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
@@ -21,7 +22,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_m
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.utils import set_weight_attrs
 
-from minite_common import grouped_w4a4_linear
+from minite_common import grouped_w4a4_linear, row_amax
 
 from .layer import NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -201,8 +202,15 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
         )
         gate, up = gate_up.float().split(self.inter, dim=1)
         act = (F.silu(gate) * up).to(x.dtype)
+        amax = None
+        if self.moe.moe_parallel_config.tp_size > 1:
+            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+            amax = row_amax(act)
+            torch.distributed.all_reduce(
+                amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+            )
         down = grouped_w4a4_linear(
-            act, self.gemm_weight(layer, "w2_"), group_sizes, recipe=self.recipe
+            act, self.gemm_weight(layer, "w2_"), group_sizes, recipe=self.recipe, row_amax=amax
         )
         per_slot = torch.empty_like(down)
         per_slot[order] = down
