@@ -20,7 +20,12 @@ Variants (same weights, same routing function, same inputs):
   and the three GEMMs done by cuBLAS in BF16 on the unquantized tensors. ``qonly - bf16`` is
   the quantize cost (plus miniTE's Python overhead); ``minite - qonly`` is the GEMM cost;
 - ``minite_nvfp4bwd`` (optional): miniTE with the backward as first shipped (dgrad/wgrad through
-  the Triton NVFP4 GEMM, stochastic rounding in torch), for a before/after figure.
+  the Triton NVFP4 GEMM, stochastic rounding in torch), for a before/after figure;
+- ``minite_grouped`` (MoE layer only): the miniTE spec with ``grouped_experts=True``: the experts
+  in ``minite_megatron.MiniTEGroupedMLP`` (grouped W4A4 forward, grouped NVFP4 backward, one
+  stacked weight quantization per optimizer step) instead of ``SequentialMLP``. With it, a GPU
+  run first checks the grouped kernels against their per-expert counterparts
+  (:func:`check_grouped_numerics`).
 
 The core attention is the same module for every variant: by default (``--attention sdpa``)
 ``torch.nn.functional.scaled_dot_product_attention`` restricted to its fused kernels (flash /
@@ -73,7 +78,10 @@ VARIANTS = {
     "minite": "miniTE NVFP4",
     "minite_qonly": "miniTE quantize + BF16 GEMMs",
     "minite_nvfp4bwd": "miniTE, NVFP4-GEMM backward (as first shipped)",
+    "minite_grouped": "miniTE NVFP4, grouped experts",
 }
+#: Variants that only differ from ``minite`` in a MoE layer.
+MOE_ONLY_VARIANTS = ("minite_grouped",)
 
 
 @dataclass(frozen=True)
@@ -274,7 +282,9 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
             config, use_transformer_engine=False, normalization=config.normalization
         )
     else:
-        block = mm.get_gpt_decoder_block_minite_spec(config)
+        block = mm.get_gpt_decoder_block_minite_spec(
+            config, grouped_experts=variant == "minite_grouped"
+        )
     spec = block.layer_specs[0]
     if attention == "sdpa":
         spec = replace_class(spec, DotProductAttention, SDPACoreAttention)
@@ -331,10 +341,10 @@ class _QuantizeOnlyLinear(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def quantize_only_linear_train(x, weight, w_q, bias=None, *, recipe=None):
-    """Drop-in for ``w4a4_linear_train`` in the ``minite_qonly`` variant (no bias)."""
-    if bias is not None:
-        raise ValueError("minite_qonly: biased linears are not benchmarked")
+def quantize_only_linear_train(x, weight, w_q, bias=None, *, recipe=None, row_amax=None):
+    """Drop-in for ``w4a4_linear_train`` in the ``minite_qonly`` variant (no bias, TP 1)."""
+    if bias is not None or row_amax is not None:
+        raise ValueError("minite_qonly: biased or row-parallel TP > 1 linears are not benchmarked")
     return _QuantizeOnlyLinear.apply(x, weight, w_q, recipe)
 
 
@@ -552,6 +562,103 @@ def check_backward_numerics(device: torch.device) -> dict[str, float]:
     return out
 
 
+def check_grouped_numerics(
+    device: torch.device, shape: LayerShape = LAYERS["moe"], experts: int = 16
+) -> dict[str, float]:
+    """The grouped experts' GPU paths against their per-expert counterparts, at ``shape``'s fc1
+    shape (``experts`` experts of [2 x expert_ffn, hidden], ragged token counts with empty and
+    one-token experts): stacked weight quantization (one launch) against ``quantize_weight`` per
+    HF tensor and the grouped backward operands against ``quantize_grad_operands`` per expert
+    (nearest rounding, RHT), both bitwise (1.0 = equal); the grouped forward against
+    ``w4a4_linear_train`` per expert (bitwise) and the grouped backward's dX / dW against the
+    one-linear Hopper backward per expert (nearest rounding: relative difference); the time of
+    the stacked quantization against the per-tensor loop (ms)."""
+    import minite_kernels
+    from minite_kernels.nvfp4_grouped import group_layout, quantize_grouped_grad_operands
+    from triton.testing import do_bench
+
+    from minite_common import (
+        NVFP4Recipe,
+        cat_rows,
+        grouped_w4a4_linear_train,
+        quantize_stacked_weight,
+        quantize_weight,
+        w4a4_linear_train,
+    )
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    ffn, k = shape.expert_ffn, shape.hidden
+    n = 2 * ffn
+    sizes = torch.randint(1, 600, (experts,), generator=g).tolist()
+    sizes[3], sizes[5] = 0, 1
+    magnitude = 10.0 ** (torch.rand(2 * experts, generator=g) * 2 - 3)
+    w = torch.randn(experts * n, k, generator=g) * magnitude.repeat_interleave(ffn)[:, None]
+    w = w.to(device, torch.bfloat16)
+    x = torch.randn(sum(sizes), k, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(sum(sizes), n, generator=g).to(device, torch.bfloat16)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    out: dict[str, float] = {}
+    nearest = NVFP4Recipe(grad_stochastic_rounding=False)
+    stacked = quantize_stacked_weight(w, ffn, recipe=nearest)
+    parts = [w[i * ffn : (i + 1) * ffn] for i in range(2 * experts)]
+    ref = cat_rows([quantize_weight(p, recipe=nearest) for p in parts])
+    out["stacked_weight_bitwise"] = float(
+        same(stacked.codes, ref.codes)
+        and same(stacked.scales, ref.scales)
+        and same(stacked.decode_scale, ref.decode_scale)
+    )
+    scale = stacked.channel_decode_scale()
+    row, col, dec = quantize_grouped_grad_operands(
+        dy, tuple(sizes), row=True, row_scale=scale, col=True, rht=True
+    )
+    _, starts, pstarts = group_layout(tuple(sizes), device)
+    equal = True
+    for e, size in enumerate(sizes):
+        if size:
+            r, c, d = minite_kernels.quantize_grad_operands(
+                dy[starts[e] : starts[e] + size],
+                row=True,
+                row_scale=scale[e * n : (e + 1) * n],
+                col=True,
+                rht=True,
+            )
+            p = -(-size // 16) * 16
+            equal &= same(r, row[starts[e] : starts[e] + size])
+            equal &= same(c, col[pstarts[e] : pstarts[e] + p]) and same(d, dec[e])
+    out["grad_operands_bitwise"] = float(equal)
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_w4a4_linear_train(xx, ww, stacked, sizes, recipe=nearest)
+    y.backward(dy)
+    ys, dxs, dws = [], [], []
+    for e, size in enumerate(sizes):
+        rows = slice(starts[e], starts[e] + size)
+        xe = x[rows].clone().requires_grad_()
+        we = w[e * n : (e + 1) * n].clone().requires_grad_()
+        ye = w4a4_linear_train(xe, we, stacked.narrow_rows(e * n, n), recipe=nearest)
+        ye.backward(dy[rows])
+        ys.append(ye)
+        dxs.append(xe.grad)
+        dws.append(we.grad)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    out["forward_bitwise"] = float(torch.equal(y, torch.cat(ys)))
+    out["dx_rel_vs_per_expert"] = rel(xx.grad, torch.cat(dxs))
+    out["dw_rel_vs_per_expert"] = rel(ww.grad, torch.cat(dws))
+    out["stacked_quantize_ms"] = do_bench(
+        lambda: quantize_stacked_weight(w, ffn), return_mode="median"
+    )
+    out["per_tensor_quantize_ms"] = do_bench(
+        lambda: [quantize_weight(p) for p in parts],
+        return_mode="median",
+    )
+    return out
+
+
 def measure_host_overhead(device: torch.device, iters: int = 200) -> dict[str, float]:
     """Host (CPU) microseconds per call, GPU work kept tiny so that the host is the bound: one
     torch op, one Triton kernel launch, and one linear's forward+backward (an expert-sized
@@ -766,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="dense,moe")
     p.add_argument("--seqs", default="4096,8192")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch")
-    p.add_argument("--variants", default="bf16,minite,minite_qonly")
+    p.add_argument("--variants", default="bf16,minite,minite_qonly,minite_grouped")
     p.add_argument("--nvfp4bwd-seqs", default="4096", help="seqs that also run minite_nvfp4bwd")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -806,6 +913,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.checks:
             meta["numerics"] = check_backward_numerics(device)
             log(f"backward numerics: {json.dumps(meta['numerics'])}")
+        if "minite_grouped" in args.variants.split(","):
+            meta["grouped_numerics"] = check_grouped_numerics(device)
+            log(f"grouped experts numerics: {json.dumps(meta['grouped_numerics'])}")
         if args.host:
             meta["host_overhead"] = measure_host_overhead(device)
             log(f"host overhead: {json.dumps(meta['host_overhead'])}")
@@ -814,7 +924,13 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     names = args.layers.split(",")
     # The main variants of every configuration first, the slow before/after variant last.
-    plan = [(seq, name, v) for seq in seqs for name in names for v in args.variants.split(",")]
+    plan = [
+        (seq, name, v)
+        for seq in seqs
+        for name in names
+        for v in args.variants.split(",")
+        if shapes[name].experts or v not in MOE_ONLY_VARIANTS
+    ]
     plan += [
         (seq, name, "minite_nvfp4bwd") for seq in seqs if seq in nvfp4bwd_seqs for name in names
     ]
@@ -844,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
             (n, v)
             for n in args.layers.split(",")
             for v in [*args.variants.split(","), "minite_nvfp4bwd"]
+            if shapes[n].experts or v not in MOE_ONLY_VARIANTS
         }
         missing = want - got
         log(f"cpu smoke: {len(results)} configurations ran; missing: {sorted(missing) or 'none'}")

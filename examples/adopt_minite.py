@@ -74,6 +74,7 @@ def main() -> None:
 
     # 3. Weight sync: the sampler re-quantizes the new BF16 weights to the learner's bits. # miniTE
     llm.collective_rpc("update_weights_bf16", args=(pack_weights(mm.export_hf_weights(model)),))
+    llm.reset_prefix_cache()  # K/V cached for earlier prompts came from the old weights
     print("weights pushed; the next rollout samples from the updated policy")
 
 

@@ -6,14 +6,20 @@ The four setups of the alignment table:
 - (b) miniTE sampler + BF16 learner (the usual "quantized rollouts");
 - (c) miniTE sampler + miniTE learner;
 - (d) miniTE sampler + a learner whose NVFP4 uses a per-tensor activation amax (Transformer
-  Engine's choice for activations), everything else equal.
+  Engine's choice for activations), everything else equal;
+- (e) (c) in strict mode (``NVFP4Recipe(strict_ops=True)``): both engines also run the ops between
+  the linears through :mod:`minite_common.ops`, so on CPU every log-prob is bitwise equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
-from collections.abc import Sequence
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +51,11 @@ SETUPS = {
     "b": "miniTE sampler + BF16 learner",
     "c": "miniTE sampler + miniTE learner",
     "d": "miniTE sampler + per-tensor-activation NVFP4 learner",
+    "e": "strict miniTE sampler + strict miniTE learner",
 }
+
+#: The recipe of setup (e): the default one with strict mode on.
+STRICT_RECIPE = dataclasses.replace(DEFAULT_RECIPE, strict_ops=True)
 
 
 @dataclasses.dataclass
@@ -66,18 +76,52 @@ def configure_cpu_engines() -> None:
         os.environ.setdefault(key, value)
 
 
-def start_sampler(model_dir: str | Path, *, nvfp4: bool = True, seed: int = 0, **kwargs: Any):
-    """A vLLM ``LLM`` on ``model_dir`` (``quantization="minite"`` when ``nvfp4``) with miniTE's
-    worker extension, so weight updates, captures and fingerprints are available."""
+@contextlib.contextmanager
+def recipe_env(recipe: NVFP4Recipe | None) -> Iterator[None]:
+    """Within the block, ``MINITE_RECIPE`` names a file holding ``recipe`` (nothing when None),
+    so the vLLM engines started there (and their processes) quantize with it."""
+    if recipe is None:
+        yield
+        return
+    from minite_vllm.config import RECIPE_ENV
+
+    previous = os.environ.get(RECIPE_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "recipe.json"
+        path.write_text(json.dumps(recipe.to_dict()))
+        os.environ[RECIPE_ENV] = str(path)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(RECIPE_ENV, None)
+            else:
+                os.environ[RECIPE_ENV] = previous
+
+
+def start_sampler(
+    model_dir: str | Path,
+    *,
+    nvfp4: bool = True,
+    seed: int = 0,
+    recipe: NVFP4Recipe | None = None,
+    **kwargs: Any,
+):
+    """A vLLM ``LLM`` on ``model_dir`` (``quantization="minite"`` when ``nvfp4``, with ``recipe``
+    when given, e.g. a strict one) with miniTE's worker extension, so weight updates, captures and
+    fingerprints are available."""
     configure_cpu_engines()
     from vllm import LLM
 
     from minite_vllm import WORKER_EXTENSION
 
+    if recipe is not None and not nvfp4:
+        raise ValueError("start_sampler: a recipe needs the miniTE sampler (nvfp4=True)")
     args = dict(VLLM_CPU_KWARGS, seed=seed, worker_extension_cls=WORKER_EXTENSION, **kwargs)
     if nvfp4:
         args["quantization"] = "minite"
-    return LLM(str(model_dir), **args)
+    with recipe_env(recipe):
+        return LLM(str(model_dir), **args)
 
 
 def stop_sampler(llm: Any) -> None:
@@ -162,23 +206,30 @@ def four_setups(
     n: int = 4,
     max_tokens: int = 16,
     seed: int = 0,
+    strict: bool = True,
 ) -> dict[str, MismatchReport]:
-    """Mismatch reports of setups (a)-(d) on ``model_dir`` (see the module docstring)."""
+    """Mismatch reports of setups (a)-(d), and (e) when ``strict``, on ``model_dir`` (see the
+    module docstring)."""
+    samplers = {"bf16": (False, None), "minite": (True, None)}
+    if strict:
+        samplers["strict"] = (True, STRICT_RECIPE)
     rollouts = {}
-    for nvfp4 in (False, True):
-        llm = start_sampler(model_dir, nvfp4=nvfp4, seed=seed)
-        rollouts[nvfp4] = sample(llm, prompts, n=n, max_tokens=max_tokens, seed=seed)
+    for name, (nvfp4, sampler_recipe) in samplers.items():
+        llm = start_sampler(model_dir, nvfp4=nvfp4, seed=seed, recipe=sampler_recipe)
+        rollouts[name] = sample(llm, prompts, n=n, max_tokens=max_tokens, seed=seed)
         stop_sampler(llm)
     per_tensor = dataclasses.replace(DEFAULT_RECIPE, activation_amax="tensor")
     learners = {
-        "a": (False, False, DEFAULT_RECIPE),
-        "b": (True, False, DEFAULT_RECIPE),
-        "c": (True, True, DEFAULT_RECIPE),
-        "d": (True, True, per_tensor),
+        "a": ("bf16", False, DEFAULT_RECIPE),
+        "b": ("minite", False, DEFAULT_RECIPE),
+        "c": ("minite", True, DEFAULT_RECIPE),
+        "d": ("minite", True, per_tensor),
     }
+    if strict:
+        learners["e"] = ("strict", True, STRICT_RECIPE)
     reports = {}
-    for key, (sampler_nvfp4, learner_nvfp4, recipe) in learners.items():
-        r = rollouts[sampler_nvfp4]
+    for key, (sampler, learner_nvfp4, recipe) in learners.items():
+        r = rollouts[sampler]
         model = build_learner(model_dir, nvfp4=learner_nvfp4, recipe=recipe)
         lp = learner_logprobs(model, r.prompts, r.completions)
         reports[key] = logprob_mismatch(
@@ -234,6 +285,7 @@ def sync_weights(llm: Any, model: torch.nn.Module) -> None:
     from minite_vllm import pack_weights
 
     llm.collective_rpc("update_weights_bf16", args=(pack_weights(export_hf_weights(model)),))
+    llm.reset_prefix_cache()  # cached K/V of earlier prompts were computed with the old weights
 
 
 def weights_in_sync(llm: Any, model: torch.nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """miniTE's numerical core: the NVFP4 recipe, quantizer and W4A4 linear that both engines call."""
 
 from .autograd import nvfp4_dgrad, nvfp4_wgrad, w4a4_linear_train
+from .grouped import expert_swiglu, grouped_w4a4_linear_train, quantize_stacked_weight
 from .hadamard import random_hadamard_transform, rht_matrix
 from .linear import (
     exact_block_dot,
@@ -28,12 +29,15 @@ __all__ = [
     "check_fingerprints",
     "dequantize_nvfp4",
     "exact_block_dot",
+    "expert_swiglu",
     "gemm_path",
     "grouped_w4a4_linear",
+    "grouped_w4a4_linear_train",
     "nvfp4_dgrad",
     "nvfp4_gemm",
     "nvfp4_wgrad",
     "quantize_nvfp4",
+    "quantize_stacked_weight",
     "quantize_weight",
     "random_hadamard_transform",
     "rht_matrix",

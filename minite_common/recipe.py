@@ -36,7 +36,9 @@ class NVFP4Recipe:
     engines compute; the learner-only fields (stochastic rounding, RHT) shape gradients only.
     ``bf16_modules`` are regular expressions over HF-style module names
     (``model.layers.0.mlp.gate``) whose layers stay in high precision, as do the first
-    ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers.
+    ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers. ``strict_ops``
+    (strict mode, off by default) makes both engines run the ops between the linears and the
+    BF16 GEMMs through :mod:`minite_common.ops` too, so their log-probs agree bitwise on CPU.
     """
 
     block_size: int = 16
@@ -47,6 +49,7 @@ class NVFP4Recipe:
     bf16_modules: tuple[str, ...] = DEFAULT_BF16_MODULES
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    strict_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size != 16:
@@ -63,9 +66,12 @@ class NVFP4Recipe:
             re.compile(pattern)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field plus the contract version."""
+        """A JSON-ready dict of every field (``strict_ops`` only when on) plus the contract
+        version."""
         d = dataclasses.asdict(self)
         d["bf16_modules"] = list(self.bf16_modules)
+        if not self.strict_ops:  # absent when off: recipes written before it keep their fingerprint
+            del d["strict_ops"]
         d["contract_version"] = CONTRACT_VERSION
         return d
 

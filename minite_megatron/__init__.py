@@ -10,6 +10,7 @@ All numerics come from :mod:`minite_common`; see ``docs/megatron.md``.
 
 from .bridge import register_with_megatron_bridge
 from .cpu_shim import apply_cpu_shim
+from .experts import MiniTEGroupedMLP
 from .hf import (
     export_hf_weights,
     gpt_model_kwargs_from_hf,
@@ -35,6 +36,7 @@ register_with_megatron_bridge()
 
 __all__ = [
     "MiniTEColumnParallelLinear",
+    "MiniTEGroupedMLP",
     "MiniTERowParallelLinear",
     "apply_cpu_shim",
     "build_gpt_model_from_hf",

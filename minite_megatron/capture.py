@@ -6,14 +6,17 @@ The names and record formats are the vLLM plugin's (:mod:`minite_vllm.capture`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe
 from minite_common.debug import linear_hook
 from minite_common.diagnostics import execution_record
 
+from .experts import MiniTEGroupedMLP
 from .hf import weight_bindings
 from .linear import NVFP4LinearMixin
 from .model import token_logprobs
@@ -22,11 +25,17 @@ from .spec import DEBUG_ENGINE
 
 def hf_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, dict[str, slice]]]:
     """Every linear of ``model`` (this TP rank) with the output columns of each HF module in it:
-    ``{megatron module name: (module, {hf module name: column slice})}``."""
+    ``{megatron module name: (module, {hf module name: column slice})}``. Grouped experts
+    (:class:`~minite_megatron.experts.MiniTEGroupedMLP`, all experts in one module) are not
+    listed: :func:`capture_layers` records them per expert, debug hooks do not cover them."""
     module_names = {m: n for n, m in model.named_modules()}
     linears = {}
     for b in weight_bindings(model):
-        if b.module is None or b.module is getattr(model, "output_layer", None):
+        if (
+            b.module is None
+            or b.expert is not None
+            or b.module is getattr(model, "output_layer", None)
+        ):
             continue
         if b.kind == "row" or b.segments is None:
             columns = {b.hf_names["weight"].removesuffix(".weight"): slice(None)}
@@ -49,11 +58,62 @@ def select_columns(out: torch.Tensor, where: slice | list[slice]) -> torch.Tenso
     return torch.cat([out[..., s] for s in where], dim=-1)
 
 
+def _attention_hooks(layer: torch.nn.Module, keep: Callable[[str, torch.Tensor], None]) -> list:
+    """Hooks recording a layer's q/k norm outputs and attention-core inputs as [s*b, heads*d]."""
+    prefix = f"model.layers.{layer.layer_number - 1}.self_attn"
+    attn = layer.self_attention
+    handles = []
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0] * t.shape[1], -1)
+
+    for part, hf in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+        norm = getattr(attn, part, None)
+        if norm is not None and not isinstance(norm, IdentityOp):
+            handles.append(norm.register_forward_hook(
+                lambda mod, args, out, name=f"{prefix}.{hf}": keep(f"{name}:output", tokens(out))
+            ))  # fmt: skip
+
+    def core_hook(mod: Any, args: tuple) -> None:
+        for part, t in zip(("query", "key", "value"), args[:3], strict=False):
+            keep(f"{prefix}.attn.{part}:input", tokens(t))
+
+    handles.append(attn.core_attention.register_forward_pre_hook(core_hook))
+    return handles
+
+
+def _grouped_expert_hooks(
+    experts: MiniTEGroupedMLP, prefix: str, keep: Callable[[str, torch.Tensor], None]
+) -> list:
+    """Hooks recording each expert's gate/up/down inputs and outputs from the grouped linears,
+    under the per-expert HF names ``SequentialMLP``'s experts are recorded with."""
+
+    def hook(mod: Any, args: tuple, out: torch.Tensor) -> None:
+        x, sizes = args
+        start = 0
+        for e, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            for s in mod.row_segments:
+                keep(f"{prefix}.{e}.{s.part}:input", x[rows])
+                keep(
+                    f"{prefix}.{e}.{s.part}:output",
+                    out[rows, s.local_start : s.local_start + s.rows],
+                )
+            start += size
+
+    return [
+        experts.linear_fc1.register_forward_hook(hook),
+        experts.linear_fc2.register_forward_hook(hook),
+    ]
+
+
 def capture_layers(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """One forward of a single sequence ``input_ids`` [S] recording, in forward order,
     ``"<hf module>:input"`` / ``":output"`` of every linear (fused q/k/v and gate/up split and
-    de-interleaved into HF order), each MoE block's output and the final norm's output, as
-    ``[S, features]`` CPU tensors."""
+    de-interleaved into HF order), the q/k norms' outputs (``...self_attn.q_norm:output``), the
+    attention core's inputs after the rotary embedding (``...self_attn.attn.query:input``, ``key``,
+    ``value``), each MoE block's output and the final norm's output, as ``[S, features]`` CPU
+    tensors."""
     records: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -70,8 +130,11 @@ def capture_layers(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str,
 
         handles.append(module.register_forward_hook(hook))
     for layer in model.decoder.layers:
+        handles += _attention_hooks(layer, keep)
         if hasattr(layer.mlp, "router"):
             name = f"model.layers.{layer.layer_number - 1}.mlp"
+            if isinstance(layer.mlp.experts, MiniTEGroupedMLP):
+                handles += _grouped_expert_hooks(layer.mlp.experts, f"{name}.experts", keep)
             handles.append(layer.mlp.register_forward_hook(
                 lambda mod, args, out, name=name: keep(f"{name}:output", out[0])
             ))  # fmt: skip

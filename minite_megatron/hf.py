@@ -28,6 +28,7 @@ from safetensors import safe_open
 from minite_common import quantize_weight
 from minite_common.checkpoint import nvfp4_to_state, quantization_config
 
+from .experts import MiniTEGroupedMLP
 from .layout import (
     GATED_FC1_PARTS,
     QKV_PARTS,
@@ -149,6 +150,7 @@ class WeightBinding:
     ``kind``: "replicated" (same on every rank), "column" (rows sharded over ``group``, laid
     out by ``segments(tp_rank, tp_size)``; ``hf_names`` maps each part to its HF name) or "row"
     (columns sharded over ``group``). ``module`` is the owning linear, for NVFP4 export.
+    ``expert``: the binding holds ``param[expert]`` of a stacked experts parameter.
     """
 
     param: torch.nn.Parameter
@@ -157,6 +159,12 @@ class WeightBinding:
     group: dist.ProcessGroup | None = None
     segments: Callable[[int, int], list[RowSegment]] | None = None
     module: torch.nn.Module | None = None
+    expert: int | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The bound tensor: ``param``, or its slice ``param[expert]``."""
+        return self.param if self.expert is None else self.param[self.expert]
 
 
 def _replicated(param: torch.nn.Parameter, name: str) -> WeightBinding:
@@ -192,6 +200,18 @@ def _mlp(mlp: torch.nn.Module, prefix: str) -> Iterator[WeightBinding]:
     yield _row(mlp.linear_fc2, f"{prefix}.down_proj.weight")
 
 
+def _grouped_experts(experts: MiniTEGroupedMLP, prefix: str) -> Iterator[WeightBinding]:
+    """Per expert, its slices of the stacked fc1 / fc2 weights (in ``_mlp``'s order)."""
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    ffn = fc1.weight.shape[1] // 2
+    segments = lambda rank, size: gated_fc1_segments(ffn, rank, size)
+    for e in range(experts.num_local_experts):
+        names = {part: f"{prefix}.{e}.{part}.weight" for part in GATED_FC1_PARTS}
+        yield WeightBinding(fc1.weight, "column", names, None, segments, fc1, expert=e)
+        names = {"weight": f"{prefix}.{e}.down_proj.weight"}
+        yield WeightBinding(fc2.weight, "row", names, None, module=fc2, expert=e)
+
+
 def weight_bindings(model: torch.nn.Module) -> Iterator[WeightBinding]:
     """Every parameter of a Qwen3-style ``GPTModel`` (this pipeline stage) with its HF name(s)."""
     config = model.config
@@ -225,8 +245,11 @@ def weight_bindings(model: torch.nn.Module) -> Iterator[WeightBinding]:
             if mlp.shared_experts is not None:
                 raise NotImplementedError("HF mapping: shared experts are not supported")
             yield _replicated(mlp.router.weight, f"{p}.mlp.gate.weight")
-            for e, expert in enumerate(mlp.experts.local_experts):
-                yield from _mlp(expert, f"{p}.mlp.experts.{e}")
+            if isinstance(mlp.experts, MiniTEGroupedMLP):
+                yield from _grouped_experts(mlp.experts, f"{p}.mlp.experts")
+            else:
+                for e, expert in enumerate(mlp.experts.local_experts):
+                    yield from _mlp(expert, f"{p}.mlp.experts.{e}")
         else:
             yield from _mlp(mlp, f"{p}.mlp")
     if getattr(model, "post_process", True):
@@ -276,7 +299,7 @@ def _hf_shard(ckpt: HFCheckpoint, b: WeightBinding) -> torch.Tensor:
         return ckpt.read(b.hf_names["weight"])
     rank, size = get_pg_rank(b.group), get_pg_size(b.group)
     if b.kind == "row":
-        k = b.param.shape[1]
+        k = b.tensor.shape[1]
         return ckpt.read(b.hf_names["weight"], cols=(rank * k, (rank + 1) * k))
     return torch.cat(
         [
@@ -296,12 +319,12 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
     bound, used = set(), set()
     for b in weight_bindings(model):
         value = _hf_shard(ckpt, b)
-        if tuple(value.shape) != tuple(b.param.shape):
+        if tuple(value.shape) != tuple(b.tensor.shape):
             raise ValueError(
                 f"{sorted(b.hf_names.values())}: HF gives {list(value.shape)} for a Megatron "
-                f"parameter of shape {list(b.param.shape)}"
+                f"parameter of shape {list(b.tensor.shape)}"
             )
-        b.param.copy_(value)
+        b.tensor.copy_(value)
         bound.add(id(b.param))
         used.update(b.hf_names.values())
     unmapped = [n for n, p in model.named_parameters() if id(p) not in bound]
@@ -313,7 +336,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
 
 
 def _gather(b: WeightBinding) -> list[torch.Tensor]:
-    shard = b.param.detach()
+    shard = b.tensor.detach()
     size = get_pg_size(b.group)
     if b.kind == "replicated" or size == 1:
         return [shard]

@@ -14,11 +14,12 @@ from megatron.core.tensor_parallel.random import (
     model_parallel_cuda_manual_seed,
 )
 
-from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe, ops
 
 from .cpu_shim import apply_cpu_shim
 from .hf import gpt_model_kwargs_from_hf, load_hf_weights, transformer_config_from_hf
 from .spec import get_gpt_decoder_block_minite_spec
+from .strict import finalize_strict_model
 
 
 def init_megatron(tensor_parallel_size: int | None = None, *, seed: int = 0) -> None:
@@ -66,6 +67,7 @@ def build_gpt_model_from_hf(
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     load_weights: bool = True,
     tensor_parallel_size: int | None = None,
+    grouped_experts: bool = False,
     **config_overrides: object,
 ) -> GPTModel:
     """A Megatron ``GPTModel`` for the HF Qwen3 / Qwen3-MoE checkpoint in ``hf_dir``.
@@ -75,16 +77,23 @@ def build_gpt_model_from_hf(
     miniTE spec (``nvfp4=False``: Megatron's local BF16 spec, same structure), casts parameters
     to the config's dtype as Megatron's mixed-precision wrapper does, moves the model to the
     current CUDA device if there is one, loads the BF16 weights (this rank's shards) and attaches
-    the statistics hooks of an active debug configuration.
+    the statistics hooks of an active debug configuration. A recipe with ``strict_ops`` builds
+    the strict modules of :mod:`minite_megatron.strict` (setting ``use_te_activation_func=True``,
+    which they need) and finalizes the model for them. ``grouped_experts`` runs NVFP4 MoE
+    experts through :class:`~minite_megatron.experts.MiniTEGroupedMLP` (miniTE spec only).
     """
     from transformers import AutoConfig
 
     init_megatron(tensor_parallel_size)
     hf_config = AutoConfig.from_pretrained(str(hf_dir))
     config_overrides.setdefault("perform_initialization", not load_weights)
+    if recipe.strict_ops:
+        if not nvfp4:
+            raise ValueError("strict mode (recipe.strict_ops) builds the miniTE spec: nvfp4=True")
+        config_overrides.setdefault("use_te_activation_func", True)
     config = transformer_config_from_hf(hf_config, **config_overrides)
     if nvfp4:
-        spec = get_gpt_decoder_block_minite_spec(config, recipe)
+        spec = get_gpt_decoder_block_minite_spec(config, recipe, grouped_experts=grouped_experts)
     else:
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=config.normalization
@@ -95,6 +104,8 @@ def build_gpt_model_from_hf(
         model.cuda(torch.cuda.current_device())
     if load_weights:
         load_hf_weights(model, hf_dir)
+    if nvfp4 and recipe.strict_ops:
+        finalize_strict_model(model)
     from .capture import attach_debug_hooks  # capture builds on this module
 
     attach_debug_hooks(model)
@@ -113,8 +124,8 @@ def token_logprobs(
 
     One causal forward of ``model`` (positions ``0..S-1``; with right padding, the values at
     padded positions are meaningless), logits gathered over tensor parallelism, divided by
-    ``temperature`` and normalized with ``log_softmax`` in float32. Call on every TP rank of
-    the last pipeline stage.
+    ``temperature`` and normalized with :func:`minite_common.ops.log_softmax` (float32, what
+    vLLM's sampler computes). Call on every TP rank of the last pipeline stage.
     """
     batch, seq_len = input_ids.shape
     device = next(model.parameters()).device
@@ -126,5 +137,5 @@ def token_logprobs(
         causal_attention_mask(seq_len, device),
         runtime_gather_output=True,
     )
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = ops.log_softmax(logits.float() / temperature)
     return logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)

@@ -32,7 +32,9 @@ from minite_common.debug import debug_recipe
 from minite_common.recipe import DEFAULT_BF16_MODULES
 
 from .compat import accepted_kwargs
+from .experts import use_grouped_experts
 from .linear import MiniTEColumnParallelLinear, MiniTERowParallelLinear, check_config_supported
+from .strict import check_strict_config, make_strict_spec
 
 #: The engine name under which the learner reads the debug configuration.
 DEBUG_ENGINE = "megatron"
@@ -151,6 +153,7 @@ def get_gpt_layer_minite_spec(
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     layer_index: int | None = None,
     num_layers: int | None = None,
+    grouped_experts: bool = False,
 ) -> ModuleSpec:
     """One GPT layer spec (dense, or MoE if ``num_experts``) with NVFP4 linears.
 
@@ -158,7 +161,8 @@ def get_gpt_layer_minite_spec(
     rules; without them the spec is the same for every layer, which only a recipe without
     per-layer or per-module decoder rules allows (use
     :func:`get_gpt_decoder_block_minite_spec` otherwise). ``qk_layernorm`` must match
-    ``TransformerConfig.qk_layernorm``.
+    ``TransformerConfig.qk_layernorm``. ``grouped_experts`` runs NVFP4 experts through
+    :class:`~minite_megatron.experts.MiniTEGroupedMLP` instead of ``SequentialMLP``.
     """
     check_recipe_supported(recipe, moe=num_experts is not None)
     if layer_index is None and (
@@ -185,7 +189,10 @@ def get_gpt_layer_minite_spec(
     decide = functools.partial(
         _uses_nvfp4, recipe=recipe, index=index, num_layers=num_layers, num_experts=num_experts
     )
-    return _rewrite(base, (), decide, recipe)
+    spec = _rewrite(base, (), decide, recipe)
+    if grouped_experts:
+        spec = use_grouped_experts(spec)
+    return make_strict_spec(spec) if recipe.strict_ops else spec
 
 
 def check_spec_config(config: TransformerConfig) -> None:
@@ -213,11 +220,13 @@ def get_gpt_decoder_block_minite_spec(
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     *,
     vp_stage: int | None = None,
+    grouped_experts: bool = False,
 ) -> TransformerBlockSubmodules:
     """The model-provider switch: ``GPTModel(config, get_gpt_decoder_block_minite_spec(config),
     ...)`` builds this pipeline stage's layers with NVFP4 linears, each layer as the recipe says
     (dense/MoE pattern from ``config.moe_layer_freq``, BF16 first/last layers). An active
     debug configuration (``MINITE_DEBUG_CONFIG``) adds its BF16 layers to the recipe.
+    ``grouped_experts``: NVFP4 experts in :class:`~minite_megatron.experts.MiniTEGroupedMLP`.
     """
     check_spec_config(config)
     recipe = debug_recipe(recipe, DEBUG_ENGINE)
@@ -244,7 +253,13 @@ def get_gpt_decoder_block_minite_spec(
         )
         for j, spec in enumerate(block.layer_specs)
     ]
-    return dataclasses.replace(block, layer_specs=layer_specs)
+    if grouped_experts:
+        layer_specs = use_grouped_experts(layer_specs)
+    block = dataclasses.replace(block, layer_specs=layer_specs)
+    if recipe.strict_ops:  # strict mode (minite_megatron.strict): norms, attention, MoE, ...
+        check_strict_config(config)
+        block = make_strict_spec(block)
+    return block
 
 
 #: ``--spec minite_megatron.spec minite_layer_spec``: dense layer, no q/k norm (Llama-style).

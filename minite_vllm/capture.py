@@ -1,8 +1,10 @@
 """Per-layer captures inside a vLLM model, under HF-style names, for the diagnostics.
 
 :func:`start_capture` hooks every linear layer (inputs and outputs; fused q/k/v and gate/up
-outputs split into their HF parts), every MoE block output and the final norm; the next forward
-pass (one prefill) is recorded, and :func:`finish_capture` removes the hooks and returns
+outputs split into their HF parts), the q/k norms (``...self_attn.q_norm:output``), the
+attention core's inputs after the rotary embedding (``...self_attn.attn.query:input``, ``key``,
+``value``), every MoE block output and the final norm, all as ``[tokens, features]``; the next
+forward pass (one prefill) is recorded, and :func:`finish_capture` removes the hooks and returns
 ``{"<hf module>:input" | "<hf module>:output": tensor}`` in forward order. With tensor
 parallelism each rank records its own shards.
 """
@@ -44,6 +46,20 @@ def start_capture(model: torch.nn.Module) -> None:
                     keep(f"{name}:output", piece)
 
             handles.append(module.register_forward_hook(hook))
+        elif prefix.endswith((".self_attn.q_norm", ".self_attn.k_norm")):
+
+            def norm_hook(mod: Any, args: tuple, output: Any, name: str = prefix) -> None:
+                out = output[0] if isinstance(output, tuple) else output
+                keep(f"{name}:output", out.reshape(out.shape[0], -1))
+
+            handles.append(module.register_forward_hook(norm_hook))
+        elif prefix.endswith(".self_attn.attn"):
+
+            def attn_hook(mod: Any, args: tuple, name: str = prefix) -> None:
+                for part, t in zip(("query", "key", "value"), args[:3], strict=False):
+                    keep(f"{name}.{part}:input", t.reshape(t.shape[0], -1))
+
+            handles.append(module.register_forward_pre_hook(attn_hook))
         elif (prefix.endswith(".mlp") and hasattr(module, "experts")) or prefix == "model.norm":
 
             def block_hook(mod: Any, args: tuple, output: Any, name: str = prefix) -> None:

@@ -150,15 +150,23 @@ class MiniteConfig(QuantizationConfig):
         return QUANT_METHOD
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        """NVFP4 for linear layers and routed experts, BF16 for those the recipe keeps."""
+        """NVFP4 for linear layers and routed experts, BF16 for those the recipe keeps; with
+        ``recipe.strict_ops`` the strict methods of :mod:`minite_vllm.strict` (BF16 GEMMs, experts,
+        LM head) and the strict attention implementation."""
         from .linear import MiniteBF16LinearMethod, MiniteLinearMethod
         from .moe import MiniteMoEMethod
 
+        strict = self.recipe.strict_ops
+        bf16_method, moe_method = MiniteBF16LinearMethod, MiniteMoEMethod
+        if strict:
+            from .strict import StrictBF16LinearMethod, StrictMoEMethod
+
+            bf16_method, moe_method = StrictBF16LinearMethod, StrictMoEMethod
         num_layers = _num_hidden_layers()
         if isinstance(layer, LinearBase):
             names = hf_module_names(prefix, self.packed_modules_mapping)
             if self.keeps_bf16(prefix, names, num_layers):
-                method = MiniteBF16LinearMethod()
+                method = bf16_method()
             else:
                 method = MiniteLinearMethod(self, names)
             hook = linear_hook(DEBUG_ENGINE, names, partial(debug_weight, layer, method, names))
@@ -168,8 +176,14 @@ class MiniteConfig(QuantizationConfig):
         if isinstance(layer, RoutedExperts):
             experts = hf_expert_names(prefix, layer)
             if self.keeps_bf16(prefix, [n for e in experts for n in e], num_layers):
+                if strict:
+                    raise NotImplementedError(f"{prefix}: strict mode runs NVFP4 experts only")
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            return MiniteMoEMethod(self, layer.moe_config, experts)
+            return moe_method(self, layer.moe_config, experts)
+        if strict:
+            from .strict import strict_layer_method
+
+            return strict_layer_method(layer)
         return None
 
     def keeps_bf16(self, prefix: str, names: list[str], num_layers: int | None) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -23,6 +22,7 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from vllm.model_executor.utils import set_weight_attrs
 
 from minite_common import grouped_w4a4_linear, row_amax
+from minite_common.grouped import expert_swiglu
 
 from .layer import NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -200,8 +200,7 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
         gate_up = grouped_w4a4_linear(
             rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe
         )
-        gate, up = gate_up.float().split(self.inter, dim=1)
-        act = (F.silu(gate) * up).to(x.dtype)
+        act = expert_swiglu(gate_up)
         amax = None
         if self.moe.moe_parallel_config.tp_size > 1:
             # Each rank holds a K slice of every row: quantize it with the whole row's amax.

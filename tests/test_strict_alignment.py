@@ -1,0 +1,317 @@
+"""Strict mode (``NVFP4Recipe(strict_ops=True)``): the reference ops of ``minite_common.ops`` and
+the real engines running them, whose layer captures and token log-probs agree bitwise on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minite.alignment import (
+    STRICT_RECIPE,
+    Rollouts,
+    build_learner,
+    learner_logprobs,
+    sample,
+    start_sampler,
+    stop_sampler,
+    sync_weights,
+    weights_in_sync,
+)
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe, RecipeMismatchError, ops
+from minite_common.diagnostics import compare_layer_captures, logprob_mismatch
+
+PROMPT_IDS = list(b"The quick brown fox jumps over the lazy dog 12+34=")
+PROMPTS = [list(f"{a}+{b}=".encode()) for a, b in ((1, 2), (13, 4), (7, 8), (22, 19))]
+
+
+def bf16(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+def same_rows(f, x: torch.Tensor) -> bool:
+    """Whether ``f`` gives each row of ``x`` the same bits alone, in a batch and in a
+    non-contiguous layout."""
+    full = f(x)
+    alone = torch.cat([f(x[i : i + 1]) for i in range(x.shape[0])])
+    strided = f(torch.cat([x, x], dim=-1)[..., : x.shape[-1]])
+    return torch.equal(full, alone) and torch.equal(full, strided)
+
+
+# -- reference ops: accuracy against torch and batch invariance ----------------------------------
+
+
+def test_elementary_functions_match_float64_torch():
+    x = torch.randn(20000, dtype=torch.float64) * 40
+    assert torch.allclose(ops.exp64(x), torch.exp(x), rtol=4e-16, atol=0)
+    sin, cos = ops.sincos64(x * 1000)
+    assert torch.allclose(sin, torch.sin(x * 1000), rtol=0, atol=1e-14)
+    assert torch.allclose(cos, torch.cos(x * 1000), rtol=0, atol=1e-14)
+    y = x.abs() + 1e-3
+    assert torch.allclose(ops.log64(y), torch.log(y), rtol=0, atol=3e-15)
+    e = ops.exp(torch.tensor([-math.inf, -200.0, 0.0, 200.0, math.nan]))
+    assert e[:3].tolist() == [0.0, 0.0, 1.0] and e[3] == math.inf and e[4].isnan()
+
+
+def test_fixed_sum_is_exact_under_trailing_zeros_and_close_to_sum():
+    x = torch.randn(7, 37)
+    s = ops.fixed_sum(x)
+    assert torch.allclose(s, x.sum(-1), rtol=1e-5, atol=1e-5)
+    for extra in (1, 27, 91):
+        assert torch.equal(ops.fixed_sum(F.pad(x, (0, extra))), s)
+    assert torch.equal(ops.fixed_sum(x.T.contiguous(), dim=0), s)
+
+
+def test_transcendental_ops_do_not_depend_on_memory_position():
+    # torch's own silu differs between its vectorized body and scalar tail; the reference not.
+    g = torch.randn(4096) * 4
+    full = ops.silu_mul(g, g)
+    assert torch.equal(full[:301], torch.cat([ops.silu_mul(g[i : i + 1], g[i : i + 1])
+                                             for i in range(301)]))  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.silu_mul(g, g), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rms_norm_and_residual_add():
+    x, w = bf16(33, 128, scale=3), (1 + 0.1 * bf16(128)).bfloat16()
+    y = ops.rms_norm(x, w, 1e-6)
+    ref = F.rms_norm(x.float(), (128,), w.float(), 1e-6)
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=8e-3, atol=1e-6)
+    assert same_rows(lambda t: ops.rms_norm(t, w, 1e-6), x)
+    r = bf16(33, 128, seed=1)
+    y2, res = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(res, x + r) and torch.equal(y2, ops.rms_norm(x + r, w, 1e-6))
+
+
+def test_rope_matches_the_float32_formula_and_is_per_position():
+    pos = torch.arange(300)
+    cos, sin = ops.rope_cos_sin(pos, 32, 1e6)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    angle = pos[:, None].double() * inv
+    assert torch.allclose(cos.double(), angle.cos(), atol=1e-7)
+    assert torch.allclose(sin.double(), angle.sin(), atol=1e-7)
+    c1, s1 = ops.rope_cos_sin(pos[[7, 200]], 32, 1e6)
+    assert torch.equal(c1, cos[[7, 200]]) and torch.equal(s1, sin[[7, 200]])
+    x = bf16(300, 4, 32, scale=2)
+    y = ops.apply_rope(x, cos[:, None], sin[:, None])
+    x1, x2 = x.float().chunk(2, -1)
+    c, s = angle.float().cos()[:, None], angle.float().sin()[:, None]
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    assert torch.allclose(y.float(), ref, rtol=8e-3, atol=1e-2)
+    partial = ops.apply_rope(x, cos[:, None, :8], sin[:, None, :8])  # rotary_dim 16 of 32
+    assert torch.equal(partial[..., 16:], x[..., 16:])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_causal_attention_decode_equals_prefill_and_matches_torch(kv_heads):
+    q, k, v = (
+        bf16(40, 4, 32, seed=0),
+        bf16(40, kv_heads, 32, seed=1),
+        bf16(40, kv_heads, 32, seed=2),
+    )
+    pos = torch.arange(40)
+    out = ops.causal_attention(q, k, v, pos, 32**-0.5)
+    kr, vr = (t.repeat_interleave(4 // kv_heads, 1).transpose(0, 1).float() for t in (k, v))
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).float(), kr, vr, is_causal=True)
+    assert torch.allclose(out.float(), ref.transpose(0, 1), rtol=8e-3, atol=8e-3)
+    for t in (0, 1, 17, 39):  # a decode step reads only keys 0..t from the cache
+        step = ops.causal_attention(q[t : t + 1], k[: t + 1], v[: t + 1], pos[t : t + 1], 32**-0.5)
+        assert torch.equal(step, out[t : t + 1])
+    # keys past the queries (a padded batch) change nothing; chunking changes nothing
+    k2, v2 = torch.cat([k, bf16(9, kv_heads, 32, seed=3)]), torch.cat([v, bf16(9, kv_heads, 32)])
+    assert torch.equal(ops.causal_attention(q, k2, v2, pos, 32**-0.5), out)
+
+
+def test_causal_attention_chunks_and_gradients(monkeypatch):
+    q, k, v = (bf16(24, 4, 16, seed=s).float().requires_grad_() for s in range(3))
+    pos = torch.arange(24)
+    out = ops.causal_attention(q, k, v, pos, 0.25)
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 4 * 24 * 16 * 5)  # 5 queries per chunk
+    assert torch.equal(ops.causal_attention(q, k, v, pos, 0.25), out)
+    out.square().sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ops._attention_plain(*ref, pos, 0.25).square().sum().backward()
+    for a, b in zip((q, k, v), ref, strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_is_row_invariant_and_matches_matmul(monkeypatch):
+    x, w = bf16(37, 128, seed=0), bf16(272, 128, seed=1)
+    y = ops.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), (x.float() @ w.float().T), rtol=8e-3, atol=1e-2)
+    assert same_rows(lambda t: ops.linear(t, w), x)
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 128 * 50)  # 50 columns, one row per chunk
+    assert torch.equal(ops.linear(x, w), y)
+    assert torch.equal(ops.linear(x.view(37, 1, 128), w).view(37, 272), y)
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    ops.linear(xf, wf, out_dtype=torch.float32).sum().backward()
+    assert torch.allclose(xf.grad, w.float().sum(0).expand(37, 128), rtol=1e-5, atol=1e-4)
+
+
+def test_topk_routing_and_combine():
+    logits = bf16(64, 8, scale=2)
+    logits[0, 3] = logits[0, 5] = 9.0  # a tie goes to the lower expert index
+    probs = torch.softmax(logits.float(), -1)
+    top, ids_ref = torch.topk(probs, 2, dim=-1)
+    w, ids = ops.topk_routing(logits, 2, renormalize=True)
+    assert ids[0].tolist() == [3, 5]
+    assert torch.equal(ids.sort(-1)[0], ids_ref.sort(-1)[0])
+    assert torch.allclose(w, top / top.sum(-1, keepdim=True), atol=1e-6)
+    w_all, _ = ops.topk_routing(logits, 2, renormalize=False)
+    assert torch.allclose(w_all, top, atol=1e-6)
+    assert same_rows(lambda t: ops.topk_routing(t, 2, True)[0], logits)
+    y = bf16(64, 2, 128, seed=4)
+    out = ops.moe_combine(y, w)
+    ref = w[:, :1] * y[:, 0].float() + w[:, 1:] * y[:, 1].float()
+    assert torch.equal(out, ref.bfloat16())
+
+
+def test_swiglu_matches_torch():
+    x = bf16(33, 512, scale=3)
+    gate, up = x.float().chunk(2, -1)
+    assert torch.allclose(ops.swiglu(x).float(), F.silu(gate) * up, rtol=8e-3, atol=1e-3)
+    assert same_rows(ops.swiglu, x)
+
+
+def test_log_softmax_is_row_invariant():
+    """vLLM's sampler and the learner both use torch's kernel; it must treat rows alone."""
+    logits = bf16(96, 272, scale=4)
+    full = ops.log_softmax(logits)
+    assert torch.equal(full, logits.log_softmax(-1, dtype=torch.float32))  # vLLM's call
+    assert same_rows(ops.log_softmax, logits)
+    assert torch.equal(ops.log_softmax(logits.view(8, 12, 272)).view(96, 272), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.log_softmax(logits), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strict_switch_is_a_fingerprinted_recipe_field():
+    assert DEFAULT_RECIPE.strict_ops is False and "strict_ops" not in DEFAULT_RECIPE.to_dict()
+    assert STRICT_RECIPE.to_dict()["strict_ops"] is True
+    assert NVFP4Recipe.from_dict(STRICT_RECIPE.to_dict()) == STRICT_RECIPE
+    assert (
+        NVFP4Recipe.from_dict({**DEFAULT_RECIPE.to_dict(), "strict_ops": False}) == DEFAULT_RECIPE
+    )
+    assert STRICT_RECIPE.fingerprint() != DEFAULT_RECIPE.fingerprint()
+    with pytest.raises(RecipeMismatchError):
+        logprob_mismatch([[-1.0]], [[-1.0]], sampler_fingerprint=STRICT_RECIPE.fingerprint(),
+                         learner_fingerprint=DEFAULT_RECIPE.fingerprint())  # fmt: skip
+
+
+def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    import minite_vllm
+    from minite_vllm.config import MiniteConfig
+
+    minite_vllm.register()
+    x, r = bf16(3, 64, seed=5), bf16(3, 64, seed=6)
+    with set_current_vllm_config(VllmConfig(quant_config=MiniteConfig(DEFAULT_RECIPE))):
+        norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
+        assert not norm.minite_strict and not act.minite_strict
+        assert norm._forward_method.__name__ != "forward_strict"
+        assert torch.equal(norm(x), norm.forward_native(x))
+    eager = CompilationConfig(mode=CompilationMode.NONE)
+    config = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager)
+    with set_current_vllm_config(config):
+        norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
+        assert norm.minite_strict and act.minite_strict
+        assert torch.equal(norm(x), ops.rms_norm(x, norm.weight, 1e-6))
+        for a, b in zip(norm(x, r), ops.add_rms_norm(x, r, norm.weight, 1e-6), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(act(torch.cat([x, r], -1)), ops.silu_mul(x, r))
+    compiled = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE))
+    with set_current_vllm_config(compiled), pytest.raises(ValueError, match="enforce_eager"):
+        RMSNorm(64)
+
+
+# -- the real engines ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StrictRun:
+    kind: str
+    sampler_capture: dict[str, torch.Tensor]
+    learner_capture: dict[str, torch.Tensor]
+    rollouts: Rollouts  # sampled before the update
+    learner_logprobs: list[torch.Tensor]
+    updated_rollouts: Rollouts  # sampled after one learner step and a weight sync
+    updated_learner_logprobs: list[torch.Tensor]
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def strict_run(request, tiny_dense_dir, tiny_moe_dir):
+    """Both engines in strict mode on one model: captures of one prefill, sampled rollouts scored
+    by the learner, then the same after one training step of the learner and a weight sync."""
+    from vllm import SamplingParams
+
+    from minite_megatron import token_logprobs
+    from minite_megatron.capture import capture_layers
+    from minite_vllm import unpack_weights
+
+    model_dir = tiny_dense_dir if request.param == "dense" else tiny_moe_dir
+    llm = start_sampler(model_dir, recipe=STRICT_RECIPE, max_model_len=256)
+    try:
+        learner = build_learner(model_dir, nvfp4=True, recipe=STRICT_RECIPE)
+        llm.collective_rpc("start_capture")
+        llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # fmt: skip
+        sampler_capture = unpack_weights(llm.collective_rpc("finish_capture")[0])
+        learner_capture = capture_layers(learner, torch.tensor(PROMPT_IDS))
+        rollouts = sample(llm, PROMPTS, n=3, max_tokens=12, temperature=1.0, seed=1)
+        scores = learner_logprobs(learner, rollouts.prompts, rollouts.completions)
+
+        optimizer = torch.optim.SGD(learner.parameters(), lr=0.05)
+        ids = torch.tensor([rollouts.prompts[0] + rollouts.completions[0]])
+        (-token_logprobs(learner, ids).sum()).backward()
+        optimizer.step()
+        sync_weights(llm, learner)
+        assert weights_in_sync(llm, learner)
+        updated = sample(llm, PROMPTS, n=2, max_tokens=8, temperature=1.0, seed=2)
+        updated_scores = learner_logprobs(learner, updated.prompts, updated.completions)
+    finally:
+        stop_sampler(llm)
+    yield StrictRun(request.param, sampler_capture, learner_capture, rollouts, scores, updated,
+                    updated_scores)  # fmt: skip
+
+
+def test_strict_layer_captures_are_bitwise_equal(strict_run):
+    comparison = compare_layer_captures(strict_run.sampler_capture, strict_run.learner_capture,
+                                        order=list(strict_run.learner_capture))  # fmt: skip
+    print(comparison.table())
+    assert comparison.first_divergent is None
+    names = {row["name"] for row in comparison.rows}
+    assert all(row["bitwise_equal"] for row in comparison.rows)
+    mlp = "mlp:output" if strict_run.kind == "moe" else "mlp.down_proj:input"
+    inner = ("self_attn.q_norm:output", "self_attn.attn.query:input", "self_attn.o_proj:input", mlp)
+    expected = [f"model.layers.1.{name}" for name in inner] + ["model.norm:output"]
+    assert set(expected) <= names
+
+
+@pytest.mark.parametrize("after_update", [False, True], ids=["initial", "after-update"])
+def test_strict_sampler_and_learner_logprobs_are_bitwise_equal(strict_run, after_update):
+    r = strict_run.updated_rollouts if after_update else strict_run.rollouts
+    lp = strict_run.updated_learner_logprobs if after_update else strict_run.learner_logprobs
+    assert r.fingerprint == STRICT_RECIPE.fingerprint()
+    assert sum(len(c) for c in r.completions) >= 16
+    report = logprob_mismatch(r.logprobs, lp, sampler_fingerprint=r.fingerprint,
+                              learner_fingerprint=STRICT_RECIPE.fingerprint())  # fmt: skip
+    assert report.summary["frac_bitwise_equal"] == 1.0
+    assert report.summary["token_mult_prob_error"] == 1.0
+    for sampler_lp, learner_lp in zip(r.logprobs, lp, strict=True):
+        assert torch.equal(torch.tensor(sampler_lp, dtype=torch.float32), learner_lp)
