@@ -10,7 +10,9 @@
    to the learner's bits), and the sync is checked bitwise.
 3. Per step: reward, accuracy, mismatch figures, TIS weights, step time; at the end a terminal
    table, ``report.json`` and ``report.png``. ``--compare`` runs the usual quantized-rollout
-   setup (miniTE sampler + BF16 learner) from the same warm start and plots both.
+   setup (miniTE sampler + BF16 learner) from the same warm start and plots both; ``--strict``
+   runs the recipe's strict mode, where the ops between the linears are shared too and the
+   sampler's and learner's log-probs agree bitwise (token multiplicative probability error 1).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from minite.alignment import (
+    STRICT_RECIPE,
     build_learner,
     learner_logprobs,
     sample,
@@ -38,7 +41,7 @@ from minite.alignment import (
     weights_in_sync,
 )
 from minite.tiny_model import TinyModelSpec, write_tiny_model
-from minite_common import DEFAULT_RECIPE
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe
 from minite_common.diagnostics import logprob_mismatch
 
 
@@ -63,9 +66,11 @@ class DemoConfig:
     tis_cap: float = 2.0
     seed: int = 0
     compare: bool = False
+    strict: bool = False  # strict mode: the ops between the linears aligned too (CPU)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.recipe = STRICT_RECIPE if self.strict else DEFAULT_RECIPE
         if self.tiny:
             self.hidden_size, self.warmup_steps = 64, 20
             self.prompts_per_step, self.group_size = 8, 4
@@ -100,8 +105,10 @@ def reward(problem: Problem, completion: Sequence[int], tokenizer: Any) -> float
 class Learner:
     """A Megatron ``GPTModel`` (miniTE spec or BF16) with FP32 master weights and Adam."""
 
-    def __init__(self, model_dir: Path, *, nvfp4: bool, lr: float) -> None:
-        self.model = build_learner(model_dir, nvfp4=nvfp4)
+    def __init__(
+        self, model_dir: Path, *, nvfp4: bool, lr: float, recipe: NVFP4Recipe = DEFAULT_RECIPE
+    ) -> None:
+        self.model = build_learner(model_dir, nvfp4=nvfp4, recipe=recipe)
         self.nvfp4 = nvfp4
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
@@ -221,11 +228,11 @@ def rl_run(
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    learner = Learner(model_dir, nvfp4=nvfp4_learner, lr=cfg.lr)
+    learner = Learner(model_dir, nvfp4=nvfp4_learner, lr=cfg.lr, recipe=cfg.recipe)
     sync_weights(llm, learner.model)  # the sampler starts from exactly the learner's weights
     rng = random.Random(cfg.seed + 1)
     records = [{"setup": name, "initial_accuracy": evaluate(llm, tokenizer)}]
-    fingerprint = DEFAULT_RECIPE.fingerprint() if nvfp4_learner else None
+    fingerprint = cfg.recipe.fingerprint() if nvfp4_learner else None
     for step in tqdm(range(cfg.steps), desc=f"GRPO ({name})", leave=False):
         start = time.perf_counter()
         batch = rng.sample(PROBLEMS, cfg.prompts_per_step)
@@ -336,14 +343,14 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
         log(f"model: tiny Qwen3{'-MoE' if cfg.moe else ''} (hidden {cfg.hidden_size}, "
             f"{cfg.num_layers} layers) in {base}")  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    warm = Learner(base, nvfp4=True, lr=cfg.lr)
+    warm = Learner(base, nvfp4=True, lr=cfg.lr, recipe=cfg.recipe)
     warm_start(warm, tokenizer, cfg, log)
     start_dir = warm.save_hf(base, cfg.out / "warm-start")
     del warm
 
-    llm = start_sampler(start_dir, seed=cfg.seed)
+    llm = start_sampler(start_dir, seed=cfg.seed, recipe=cfg.recipe)
     records = []
-    setups = [("miniTE sampler + miniTE learner", True)]
+    setups = [(f"miniTE{' strict' if cfg.strict else ''} sampler + learner", True)]
     if cfg.compare:
         setups.append(("miniTE sampler + BF16 learner", False))
     for name, nvfp4_learner in setups:
@@ -352,7 +359,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     stop_sampler(llm)
 
     report = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
-              "recipe": DEFAULT_RECIPE.fingerprint(), "records": records,
+              "recipe": cfg.recipe.fingerprint(), "records": records,
               "wall_s": time.perf_counter() - started}  # fmt: skip
     (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
     png = plot(records, cfg.out / "report.png")

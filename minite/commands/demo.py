@@ -32,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--compare", action="store_true",
                    help="also run miniTE sampler + BF16 learner and plot both")  # fmt: skip
+    p.add_argument(
+        "--strict", action="store_true", help="strict mode: bitwise-equal log-probs (CPU)"
+    )
     p.set_defaults(func=run)
 
 
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(out=args.out, model=args.model, moe=args.moe, tiny=args.tiny,
                      hidden_size=args.hidden_size, num_layers=args.num_layers, steps=args.steps,
                      group_size=args.group_size, prompts_per_step=args.prompts_per_step,
-                     lr=args.lr, seed=args.seed, compare=args.compare)  # fmt: skip
+                     lr=args.lr, seed=args.seed, compare=args.compare,
+                     strict=args.strict)  # fmt: skip
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
     run_demo(cfg)
