@@ -9,10 +9,12 @@
    when the engines agree; the new weights go into the running vLLM engine (re-quantized there
    to the learner's bits), and the sync is checked bitwise.
 3. Per step: reward, accuracy, mismatch figures, TIS weights, step time; at the end a terminal
-   table, ``report.json`` and ``report.png``. ``--compare`` runs the usual quantized-rollout
-   setup (miniTE sampler + BF16 learner) from the same warm start and plots both; ``--strict``
-   runs the recipe's strict mode, where the ops between the linears are shared too and the
-   sampler's and learner's log-probs agree bitwise (token multiplicative probability error 1).
+   table, ``report.json`` and ``report.png``.
+By default the miniTE run uses the recipe's strict mode, where the ops between the linears are
+shared too and the sampler's and learner's log-probs agree bitwise (token multiplicative
+probability error exactly 1; ``--no-strict``: only the NVFP4 linears agree bitwise), and the
+usual quantized-rollout setup (miniTE sampler + BF16 learner) runs from the same warm start for
+comparison (``--no-compare`` skips it).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class DemoConfig:
     clip_eps: float = 0.2
     tis_cap: float = 2.0
     seed: int = 0
-    compare: bool = False
-    strict: bool = False  # strict mode: the ops between the linears aligned too (CPU)
+    compare: bool = True  # also the usual setup: miniTE sampler + BF16 learner
+    strict: bool = True  # strict mode: the ops between the linears aligned too (CPU)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -228,7 +230,8 @@ def rl_run(
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    learner = Learner(model_dir, nvfp4=nvfp4_learner, lr=cfg.lr, recipe=cfg.recipe)
+    recipe = cfg.recipe if nvfp4_learner else DEFAULT_RECIPE  # a BF16 learner has no recipe
+    learner = Learner(model_dir, nvfp4=nvfp4_learner, lr=cfg.lr, recipe=recipe)
     sync_weights(llm, learner.model)  # the sampler starts from exactly the learner's weights
     rng = random.Random(cfg.seed + 1)
     records = [{"setup": name, "initial_accuracy": evaluate(llm, tokenizer)}]

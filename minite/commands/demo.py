@@ -30,10 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--compare", action="store_true",
-                   help="also run miniTE sampler + BF16 learner and plot both")  # fmt: skip
     p.add_argument(
-        "--strict", action="store_true", help="strict mode: bitwise-equal log-probs (CPU)"
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=d.compare,
+        help="also run miniTE sampler + BF16 learner and plot both (default: yes)",
+    )
+    p.add_argument(
+        "--strict",
+        action=argparse.BooleanOptionalAction,
+        default=d.strict,
+        help="strict mode, bitwise-equal log-probs on CPU (default: yes)",
     )
     p.set_defaults(func=run)
 
