@@ -23,6 +23,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from minite_common import grouped_w4a4_linear, row_amax
 from minite_common.grouped import expert_swiglu
+from minite_common.ops import moe_combine
 
 from .layer import NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -213,8 +214,4 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
         )
         per_slot = torch.empty_like(down)
         per_slot[order] = down
-        per_slot = per_slot.view(tokens, top_k, self.hidden)
-        out = torch.zeros(tokens, self.hidden, dtype=torch.float32, device=x.device)
-        for slot in range(top_k):
-            out += topk_weights[:, slot : slot + 1].float() * per_slot[:, slot].float()
-        return out.to(x.dtype)
+        return moe_combine(per_slot.view(tokens, top_k, self.hidden), topk_weights)
