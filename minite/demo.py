@@ -202,13 +202,14 @@ def grpo_loss(
     r = torch.tensor(rewards).view(-1, group_size)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
     new_lp = _sequences_logprobs(model, prompts, completions)
-    total, tokens = torch.zeros(()), 0
+    total, tokens = torch.zeros((), device=new_lp[0].device), 0
     for i, lp in enumerate(new_lp):
-        old = old_lp[i]
+        old = old_lp[i].to(lp.device)
         ratio = torch.exp(lp - old)
-        tis = torch.clamp(torch.exp(old - torch.as_tensor(sampler_lp[i])), max=tis_cap)
-        surrogate = torch.minimum(ratio * adv[i], torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-                                  * adv[i])  # fmt: skip
+        sampler = torch.as_tensor(sampler_lp[i], dtype=torch.float32, device=lp.device)
+        tis = torch.clamp(torch.exp(old - sampler), max=tis_cap)
+        a = adv[i].to(lp.device)
+        surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
         total = total - (tis * surrogate).sum()
         tokens += lp.numel()
     return total / max(tokens, 1)
