@@ -97,17 +97,18 @@ HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lo
 _MM_OUT_DTYPE: list[bool] = []  # whether torch.mm(..., out_dtype=float32) runs here (probed once)
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of BF16 matrices with a float32 result (cuBLAS accumulates in float32)."""
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of BF16 matrices with a float32 result (cuBLAS accumulates in float32), into
+    ``out`` when given; falls back to a BF16 product cast up where ``out_dtype`` is missing."""
     if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
         try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            if not _MM_OUT_DTYPE:
-                _MM_OUT_DTYPE.append(True)
-            return out
+            result = torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _MM_OUT_DTYPE[:] = [True]
+            return result
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_OUT_DTYPE[:] = [False]
-    return torch.mm(a, b).float()
+    result = torch.mm(a, b).float()
+    return result if out is None else out.copy_(result)
 
 
 def hopper_grad_operands(
@@ -168,11 +169,11 @@ def _hopper_backward(
     ops = hopper_grad_operands(grad_out, x, w_q, recipe, need_dx, need_dw)
     dx = dw = None
     if need_dx:
-        acc = _mm_f32(ops["g_row"], ops["w"])
+        acc = mm_f32(ops["g_row"], ops["w"])
         dx = torch.empty(acc.shape, dtype=dx_dtype, device=acc.device)
         torch.mul(acc, ops["g_dec"][0] * 128.0, out=dx)  # 128: the decoded weight's 2^-7
     if need_dw:
-        acc = _mm_f32(ops["g_col"].t(), ops["x_col"])
+        acc = mm_f32(ops["g_col"].t(), ops["x_col"])
         dw = torch.empty(acc.shape, dtype=dw_dtype, device=acc.device)
         torch.mul(acc, ops["g_dec"][1] * ops["x_dec"][1], out=dw)
     return dx, dw

@@ -144,22 +144,6 @@ def _looped_backward(
     return dx, dw
 
 
-_MM_INTO: list[bool] = []  # whether torch.mm(..., out_dtype=float32, out=) runs here (probed once)
-
-
-def _mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` for BF16 ``a``, ``b`` into the float32 ``out`` (cuBLAS accumulates in
-    float32; without ``out_dtype`` support, through :func:`autograd._mm_f32`)."""
-    if not _MM_INTO or _MM_INTO[0]:
-        try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            _MM_INTO[:] = [True]
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_INTO[:] = [False]
-    out.copy_(_autograd._mm_f32(a, b))
-
-
 def _hopper_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -198,7 +182,7 @@ def _hopper_backward(
         w = minite_kernels.decoded_weight(w_q)  # code * scale * 2^-7, cached per weight version
         acc = torch.empty(tokens, k, dtype=torch.float32, device=dev)
         for g, start, size in _split(sizes):
-            _mm_f32_into(
+            _autograd.mm_f32(
                 g_row[start : start + size], w[g * n : (g + 1) * n], acc[start : start + size]
             )
         scale = (g_dec[:, 0] * 128.0).repeat_interleave(
@@ -214,7 +198,7 @@ def _hopper_backward(
         for g, size in enumerate(sizes):
             rows = slice(pstarts[g], pstarts[g] + -(-size // 16) * 16)
             if size:
-                _mm_f32_into(g_col[rows].t(), x_col[rows], acc[g])
+                _autograd.mm_f32(g_col[rows].t(), x_col[rows], acc[g])
             else:
                 acc[g].zero_()
         dw = torch.empty(groups * n, k, dtype=dw_dtype, device=dev)
