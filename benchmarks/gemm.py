@@ -30,12 +30,21 @@ from minite_kernels.w4a4_gemm import (
     nvfp4_gemm_sm90,
 )
 
-from minite_common import dequantize_nvfp4, exact_block_dot, quantize_nvfp4, w4a4_linear
+from minite_common import (
+    dequantize_nvfp4,
+    exact_block_dot,
+    expert_counts,
+    grouped_w4a4_linear,
+    quantize_nvfp4,
+    w4a4_linear,
+)
 
 ROTATE = 4
 SQUARE_MS = (1, 16, 64, 256, 1024, 8192)
 QWEN_DENSE = {"qkv 2048->5120": (5120, 2048), "o 4096->2048": (2048, 4096)}
 QWEN_EXPERTS = {"experts 2048->2x768": (1536, 2048), "experts 768->2048": (2048, 768)}
+QWEN_MS = (1, 16, 64, 256, 1024, 8192)
+MOE_TOKENS = (1, 16, 64, 256, 8192)
 EXPERTS, TOP_K = 128, 8
 
 
@@ -143,16 +152,23 @@ def bench_square(results: dict, variants: bool) -> None:
             continue
         safe(results, f"{tag} ours bits-decode", s.ours(use_asm=False))
         if m <= 16:
-            for cfg in (DecodeConfig(64, 16, 4, 6), DecodeConfig(128, 16, 8, 4)):
+            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(64, 16, 4, 2),
+                        DecodeConfig(64, 16, 4, 3, split_k=1), DecodeConfig(64, 16, 4, 3, 8),
+                        DecodeConfig(64, 16, 4, 3, 4), DecodeConfig(64, 16, 4, 2, 0, True),
+                        DecodeConfig(64, 16, 4, 3, 0, True), DecodeConfig(64, 16, 4, 4, 0, True),
+                        DecodeConfig(64, 16, 4, 3, 8, True)):  # fmt: skip
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
-        if m == 64:
-            for cfg in (DecodeConfig(128, 64, 8, 3), DecodeConfig(64, 32, 4, 4)):
+        if 16 < m <= 512:
+            for cfg in (DecodeConfig(64, 64, 4, 3, split_k=1), DecodeConfig(64, 64, 4, 3, 1, True),
+                        DecodeConfig(64, 64, 4, 4, 2, True), DecodeConfig(128, 128, 8, 3),
+                        DecodeConfig(128, 128, 8, 3, 1, True), DecodeConfig(128, 64, 8, 3, 1, True),
+                        DecodeConfig(128, 256, 8, 3, 1, True)):  # fmt: skip
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
         if 64 < m <= 1024:
             safe(results, f"{tag} large-path", s.ours(config=gemm_mod.LARGE_CONFIG))
-            safe(results, f"{tag} decode-path", s.ours(config=DecodeConfig(128, 128, 8, 3)))
         if m >= 1024:
-            for cfg in (LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(256, 128, 64, 8, 8, 3)):
+            for cfg in (LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(256, 128, 64, 8, 8, 3),
+                        LargeConfig(128, 256, 64, 8, 8, 4)):  # fmt: skip
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
         if m == 8192:
             safe(results, f"{tag} decode A+W only", lambda s=s: [
@@ -164,19 +180,20 @@ def bench_square(results: dict, variants: bool) -> None:
 
 def bench_qwen(results: dict) -> None:
     for name, (n, k) in QWEN_DENSE.items():
-        for m in (1, 16, 1024, 8192):
+        for m in QWEN_MS:
             s = Shape(m, n, k)
             tag = f"qwen {name} M={m}"
             safe(results, f"{tag} cublas", s.cublas())
             safe(results, f"{tag} fp8", s.fp8())
             safe(results, f"{tag} ours", s.ours())
+            safe(results, f"{tag} ours+quant", s.ours_linear())
 
 
-def route(tokens: int, g: torch.Generator) -> list[int]:
-    """Rows per expert for ``tokens`` tokens routed top-8 of 128 uniformly at random."""
+def route(tokens: int, g: torch.Generator) -> torch.Tensor:
+    """Rows per expert (on the device) for ``tokens`` tokens routed top-8 of 128 at random."""
     scores = torch.rand(tokens, EXPERTS, device="cuda", generator=g)
     experts = scores.topk(TOP_K, dim=1).indices.flatten()
-    return torch.bincount(experts, minlength=EXPERTS).tolist()
+    return expert_counts(experts, EXPERTS)
 
 
 def bench_grouped(results: dict) -> None:
@@ -185,13 +202,13 @@ def bench_grouped(results: dict) -> None:
         w = torch.randn(EXPERTS * n, k, device="cuda", generator=g).bfloat16()
         w_q = quantize_nvfp4(w, amax="tensor", block_2d=True)
         w_b = w.view(EXPERTS, n, k)
-        for tokens in (1, 16, 256, 8192):
+        for tokens in MOE_TOKENS:
             sizes = route(tokens, g)
-            rows = sum(sizes)
+            rows = tokens * TOP_K
             x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
             a_q = quantize_nvfp4(x, amax="row")
             tag = f"moe {name} T={tokens}"
-            offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            offs = sizes.cumsum(0).to(torch.int32)
             w_t = w_b.transpose(1, 2)  # [G, K, N] view of the [G, N, K] weights
 
             def grouped_bf16(x=x, w_t=w_t, offs=offs):
@@ -202,6 +219,12 @@ def bench_grouped(results: dict) -> None:
                 results,
                 f"{tag} ours",
                 lambda a_q=a_q, w_q=w_q, sizes=sizes: grouped_nvfp4_gemm_sm90(a_q, w_q, sizes),
+                calls=1,
+            )
+            safe(
+                results,
+                f"{tag} ours+quant",
+                lambda x=x, w_q=w_q, sizes=sizes: grouped_w4a4_linear(x, w_q, sizes),
                 calls=1,
             )
             results.setdefault("moe_rows", {})[tag] = rows
@@ -241,6 +264,9 @@ def run_checks(results: dict) -> None:
         "bits-decode": dict(use_asm=False, config=DecodeConfig(64, 16, 4, 4)),
         "bm64": dict(config=DecodeConfig(64, 64, 4, 3)),
         "bm128": dict(config=DecodeConfig(128, 128, 8, 3)),
+        "split2": dict(config=DecodeConfig(64, 16, 4, 4, split_k=2)),
+        "split8": dict(config=DecodeConfig(64, 64, 4, 3, split_k=8)),
+        "a-decoded": dict(config=DecodeConfig(64, 16, 4, 3, split_k=3, a_decoded=True)),
         "large": dict(config=LargeConfig()),
         "large-bits": dict(config=LargeConfig(), use_asm=False),
     }
@@ -286,21 +312,27 @@ def table(results: dict) -> str:
             f"{ratio(us.get(t + ' cublas'), o)} | {ratio(us.get(t + ' emulation'), o)} | "
             f"{tbs} | {tfl} |"
         )
-    lines += ["", "| Qwen3-30B-A3B GEMM | M | cuBLAS BF16 us | FP8 us | ours us | ours vs cuBLAS |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| Qwen3-30B-A3B GEMM | M | cuBLAS BF16 us | FP8 us | ours us | "
+              "w4a4_linear us | ours vs cuBLAS | w4a4_linear vs cuBLAS |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in QWEN_DENSE:
-        for m in (1, 16, 1024, 8192):
+        for m in QWEN_MS:
             t = f"qwen {name} M={m}"
             c, f8, o = us.get(t + " cublas"), us.get(t + " fp8"), us.get(t + " ours")
-            lines.append(f"| {name} | {m} | {fmt(c)} | {fmt(f8)} | {fmt(o)} | {ratio(c, o)} |")
+            lin = us.get(t + " ours+quant")
+            lines.append(f"| {name} | {m} | {fmt(c)} | {fmt(f8)} | {fmt(o)} | {fmt(lin)} | "
+                         f"{ratio(c, o)} | {ratio(c, lin)} |")  # fmt: skip
     lines += ["", "| MoE grouped (128 experts, top-8) | tokens | rows | torch._grouped_mm BF16 us "
-              "| ours us | ours vs BF16 |", "|---|---|---|---|---|---|"]  # fmt: skip
+              "| ours us | grouped_w4a4_linear us | ours vs BF16 | grouped_w4a4_linear vs BF16 |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in QWEN_EXPERTS:
-        for tokens in (1, 16, 256, 8192):
+        for tokens in MOE_TOKENS:
             t = f"moe {name} T={tokens}"
             c, o = us.get(t + " torch._grouped_mm bf16"), us.get(t + " ours")
+            lin = us.get(t + " ours+quant")
             rows = results.get("moe_rows", {}).get(t)
-            lines.append(f"| {name} | {tokens} | {rows} | {fmt(c)} | {fmt(o)} | {ratio(c, o)} |")
+            lines.append(f"| {name} | {tokens} | {rows} | {fmt(c)} | {fmt(o)} | {fmt(lin)} | "
+                         f"{ratio(c, o)} | {ratio(c, lin)} |")  # fmt: skip
     lines += ["", "| quantize 8192 x 8192 bf16 | us | bytes (read+written, minimum) | "
               "fraction of copy bandwidth |", "|---|---|---|---|"]  # fmt: skip
     for name, nbytes in results.get("quant_bytes", {}).items():

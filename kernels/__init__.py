@@ -40,8 +40,9 @@ def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torc
     return nvfp4_gemm_sm90(a, w, bias, out_dtype)
 
 
-def grouped_nvfp4_gemm(a, w, sizes: list[int], out_dtype: torch.dtype = torch.bfloat16):
-    """MoE experts' GEMM: rows of ``a`` grouped by ``sizes`` against ``w`` stacked [G*N, K]."""
+def grouped_nvfp4_gemm(a, w, sizes, out_dtype: torch.dtype = torch.bfloat16):
+    """MoE experts' GEMM: rows of ``a`` grouped by ``sizes`` (a host list or a device tensor,
+    which the Hopper kernel reads on the device) against ``w`` stacked [G*N, K]."""
     if kernel_arch(a.device) == "sm100":
         from .w4a4_gemm_sm100 import grouped_nvfp4_gemm_sm100
 

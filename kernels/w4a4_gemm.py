@@ -2,20 +2,25 @@
 
 ``y[m, n] = out(f32(f32(f32(acc * a_dec[m]) * w_dec[n]) + bias[n]))`` (the contract's epilogue),
 computed as ``Y^T = W @ A^T`` so that the weight, the operand decoded in registers, is the MMA's
-left operand. Two kernels, one K order (``nvfp4_decode.CHUNK``):
+left operand.
 
-- ``_w4a4_decode_gemm_kernel`` (M up to ``LARGE_M``, and MoE groups): loads code words and
-  scales of both operands and decodes them in registers; per 256-element chunk one MMA chain per
-  stream of nibbles (stream p: elements 8j + p), streams 0..7 in order.
-- ``_bf16_gemm_kernel`` (M above ``LARGE_M``): both operands decoded once into BF16 scratch laid
-  out in that same order, then a plain BF16 GEMM whose 16-wide MMA steps run through K in the
-  same sequence.
+K order (contract v2, docs/contract.md "Accumulation order"): K is cut into fold chunks of
+``FOLD`` = 512 elements (the last one may be shorter). Each chunk's partial sum is one chain of
+16-element wgmma steps (Hopper's warpgroup MMA, m64nNk16, weight on the left) starting from zero:
+per 256-element decode chunk the 8 nibble streams in order (``nvfp4_decode``). The chunk partials
+are then folded in float32, ``acc = (((0 + p0) + p1) + ...)``, in chunk order. Every kernel
+below computes exactly this, so a row's result depends on nothing else in the batch:
 
-Batch invariance: every configuration issues the same sequence of 16-element wgmma steps (Hopper's
-warpgroup MMA, m64nNk16, weight on the left) into the accumulator of an output element: no
-split-K, nothing chosen by M changes the K order, and an MMA output element depends only on its
-own row and column. The older mma.sync instruction (m16n8k16) gives different bits (measured on
-the H200), so configurations that would fall back to it are refused. Tests pin this bitwise.
+- ``_w4a4_decode_gemm_kernel`` (M up to ``LARGE_M``, and MoE groups): decodes both operands in
+  registers. At small M it splits K across programs along chunk boundaries (more programs in
+  flight): each program writes its chunks' partials to a float32 workspace, and the last program
+  of a tile to finish (an atomic counter) folds all of them in chunk order and stores the tile.
+  Whether and how much it splits changes the schedule, never the bits.
+- ``_bf16_gemm_kernel`` (M above ``LARGE_M``): both operands decoded once into BF16 scratch in the
+  same element order, then a BF16 GEMM running the same wgmma chain per chunk and the same fold.
+
+The older mma.sync instruction (m16n8k16) gives different bits (measured on the H200), so
+configurations that would fall back to it are refused. Tests pin all of this bitwise.
 """
 
 from __future__ import annotations
@@ -30,10 +35,19 @@ import triton.language as tl
 
 from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode_operand
 
+#: K elements per fold chunk: one MMA chain each, the chains folded in order (contract v2).
+FOLD = 512
+FOLD_K = tl.constexpr(FOLD)
 #: Both decoded operands carry 2^-7; the accumulator is rescaled by 2^14 (exact) in the epilogue.
 ACC_SCALE = tl.constexpr(16384.0)
 #: Above this many rows the GEMM decodes both operands to BF16 scratch first.
 LARGE_M = 512
+#: Split K only while the chunk-partials workspace stays this small (it lives in L2).
+SPLIT_WORKSPACE_BYTES = 32 << 20
+#: Split K until about this many programs per SM are in flight.
+SPLIT_PROGRAMS_PER_SM = 4
+#: Split-K tile counters per (device, stream); a launch with more tiles does not split.
+MAX_SPLIT_TILES = 1 << 16
 #: Triton's CPU interpreter keeps BF16 as raw uint16 and cannot multiply it: there the kernels
 #: feed float32 copies of the (exact) BF16 operands to an IEEE float32 dot (kernel-logic tests).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -80,6 +94,23 @@ def epilogue_store(
 
 
 @triton.jit
+def _group_tile(sizes_ptr, G, pid_m, M, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row tile ``pid_m`` of rows grouped by expert (group g: ``sizes[g]`` consecutive rows, each
+    group's rows cut into BLOCK_M tiles): (first row, end row, group); group G: no such tile."""
+    offs_g = tl.arange(0, BLOCK_G)
+    sizes = tl.load(sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int32)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    rows_end = tl.cumsum(sizes, 0)
+    g = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+    here = offs_g == g
+    first_tile = tl.sum(tl.where(here, tiles_end - tiles, 0), 0)
+    end_row = tl.minimum(tl.sum(tl.where(here, rows_end, 0), 0), M)
+    first_row = tl.sum(tl.where(here, rows_end - sizes, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    return first_row, end_row, g
+
+
+@triton.jit
 def _w4a4_decode_gemm_kernel(
     a_words,
     stride_aw,
@@ -97,25 +128,37 @@ def _w4a4_decode_gemm_kernel(
     y,
     stride_ym,
     stride_yn,
-    tiles,
+    ad,
+    stride_ad,
+    sizes,
+    partials,
+    counters,
     M,
     N,
     K,
+    G,
+    chunks_per_split,
     GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_ASM: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    A_DECODED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
-    """Y^T tile [BLOCK_N, BLOCK_M]. GROUPED: ``tiles[pid1]`` = (first row, end row, first weight
-    row) of one expert's row tile; else rows pid1*BLOCK_M.. of A against weight rows 0..N-1."""
+    """Y^T tile [BLOCK_N, BLOCK_M], fold chunks [pid2*chunks_per_split, +chunks_per_split).
+    GROUPED: row tile pid1 of the expert-grouped rows (``sizes`` [G] on the device), against its
+    expert's weight rows; else rows pid1*BLOCK_M.. of A against weight rows 0..N-1. SPLIT: write
+    chunk partials to ``partials`` [chunks, M, N]; the tile's last program folds and stores."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if GROUPED:
-        row_start = tl.load(tiles + 3 * pid_m)
-        row_end = tl.load(tiles + 3 * pid_m + 1)
-        w_row0 = tl.load(tiles + 3 * pid_m + 2)
+        row_start, row_end, group = _group_tile(sizes, G, pid_m, M, BLOCK_M, BLOCK_G)
+        if group >= G:
+            return
+        w_row0 = group * N
     else:
         row_start = pid_m * BLOCK_M
         row_end = M
@@ -130,30 +173,67 @@ def _w4a4_decode_gemm_kernel(
     a_rows64 = offs_m.to(tl.int64)
     offs_w = tl.arange(0, WORDS)
     offs_b = tl.arange(0, WORDS // 2)
+    n_chunks = tl.cdiv(K, FOLD_K)
+    first = tl.program_id(2) * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, n_chunks)
+    part_ptrs = partials + a_rows64[None, :] * N + offs_n[:, None]
+    tile_ok = n_ok[:, None] & m_ok[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, CHUNK_K):
-        word = k0 // 8 + offs_w
-        w_ok = n_ok[:, None] & (word < K // 8)[None, :]
-        a_ok = m_ok[:, None] & (word < K // 8)[None, :]
-        ww = tl.load(w_words + w_rows64[:, None] * stride_ww + word[None, :], mask=w_ok, other=0)
-        blk = k0 // 16 + offs_b
-        ws = tl.load(w_scales + w_rows64[:, None] * stride_ws + blk[None, :],
-                     mask=n_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
-        ws = tl.reshape(tl.broadcast_to(ws[:, :, None], [BLOCK_N, WORDS // 2, 2]), [BLOCK_N, WORDS])
-        aw = tl.load(a_words + a_rows64[:, None] * stride_aw + word[None, :], mask=a_ok, other=0)
-        as_ = tl.load(a_scales + a_rows64[:, None] * stride_as + blk[None, :],
-                      mask=m_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
-        as_ = tl.reshape(
-            tl.broadcast_to(as_[:, :, None], [BLOCK_M, WORDS // 2, 2]), [BLOCK_M, WORDS]
-        )
-        w = decode_nvfp4_words(ww, ws, USE_ASM)
-        a = decode_nvfp4_words(aw, as_, USE_ASM)
-        for p in tl.static_range(8):
-            acc = mma(w[p], a[p], acc, INTERPRETED)
-    epilogue_store(
-        acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym, stride_yn,
-        offs_n, offs_m, w_rows, n_ok, m_ok, HAS_BIAS,
-    )  # fmt: skip
+    for c in range(first, last):
+        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(c * FOLD_K, tl.minimum(c * FOLD_K + FOLD_K, K), CHUNK_K):
+            word = k0 // 8 + offs_w
+            w_ok = n_ok[:, None] & (word < K // 8)[None, :]
+            a_ok = m_ok[:, None] & (word < K // 8)[None, :]
+            ww = tl.load(w_words + w_rows64[:, None] * stride_ww + word[None, :], mask=w_ok,
+                         other=0)  # fmt: skip
+            blk = k0 // 16 + offs_b
+            ws = tl.load(w_scales + w_rows64[:, None] * stride_ws + blk[None, :],
+                         mask=n_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
+            ws = tl.reshape(
+                tl.broadcast_to(ws[:, :, None], [BLOCK_N, WORDS // 2, 2]), [BLOCK_N, WORDS]
+            )
+            w = decode_nvfp4_words(ww, ws, USE_ASM)
+            if not A_DECODED:
+                aw = tl.load(a_words + a_rows64[:, None] * stride_aw + word[None, :], mask=a_ok,
+                             other=0)  # fmt: skip
+                as_ = tl.load(a_scales + a_rows64[:, None] * stride_as + blk[None, :],
+                              mask=m_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
+                as_ = tl.reshape(
+                    tl.broadcast_to(as_[:, :, None], [BLOCK_M, WORDS // 2, 2]), [BLOCK_M, WORDS]
+                )
+                a = decode_nvfp4_words(aw, as_, USE_ASM)
+            for p in tl.static_range(8):
+                if A_DECODED:
+                    a_p = tl.load(ad + a_rows64[:, None] * stride_ad + (k0 + p * WORDS)
+                                  + offs_w[None, :], mask=m_ok[:, None], other=0.0)  # fmt: skip
+                else:
+                    a_p = a[p]
+                part = mma(w[p], a_p, part, INTERPRETED)
+        if SPLIT:
+            tl.store(part_ptrs + c * M * N, part, mask=tile_ok)
+        else:
+            acc = acc + part
+    if SPLIT:
+        # Publish this program's partials; the tile's last program folds all of them in order.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:
+            for c in range(0, n_chunks):
+                part = tl.load(part_ptrs + c * M * N, mask=tile_ok, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                acc = acc + part
+            epilogue_store(
+                acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym,
+                stride_yn, offs_n, offs_m, w_rows, n_ok, m_ok, HAS_BIAS,
+            )  # fmt: skip
+            tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        epilogue_store(
+            acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym,
+            stride_yn, offs_n, offs_m, w_rows, n_ok, m_ok, HAS_BIAS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -181,7 +261,8 @@ def _bf16_gemm_kernel(
     GROUP_N: tl.constexpr,
 ):
     """Y^T tile of pre-decoded operands ``wd`` [N, K_PADDED], ``ad`` [M, K_PADDED] (BF16, the
-    decode GEMM's K order), tiles visited GROUP_N weight tiles at a time for L2 reuse."""
+    decode GEMM's element order), one MMA chain per fold chunk, chunks folded in order; tiles
+    visited GROUP_N weight tiles at a time for L2 reuse."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -198,12 +279,14 @@ def _bf16_gemm_kernel(
     w_ptrs = wd + offs_n[:, None].to(tl.int64) * stride_wd + offs_k[None, :]
     a_ptrs = ad + offs_m[:, None].to(tl.int64) * stride_ad + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for _ in range(0, K_PADDED, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-        acc = mma(w, a, acc, INTERPRETED)
-        w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    # flatten: one software-pipelined loop over the whole K (the fold does not stall the loads)
+    for c in tl.range(0, K_PADDED, FOLD_K, flatten=True):
+        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k in range(c, tl.minimum(c + FOLD_K, K_PADDED), BLOCK_K):
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
+            part = mma(w, a, part, INTERPRETED)
+        acc = acc + part
     epilogue_store(
         acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym, stride_yn,
         offs_n, offs_m, offs_n, n_ok, m_ok, HAS_BIAS,
@@ -213,15 +296,19 @@ def _bf16_gemm_kernel(
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of the decode GEMM (none of them changes the K order). BLOCK_N is a multiple of 64
-    and warps come in warpgroups of 4, so that the MMA is always wgmma (m64nNk16)."""
+    and warps come in warpgroups of 4, so that the MMA is always wgmma (m64nNk16). ``split_k``:
+    programs along K per tile (0: chosen from the shape; 1: no split). ``a_decoded``: decode the
+    activation once to BF16 (``decode_operand``) and stream it, instead of per program."""
 
     block_n: int
     block_m: int
     num_warps: int
     num_stages: int
+    split_k: int = 0
+    a_decoded: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_n % 64 or self.num_warps % 4 or self.block_m % 8:
+        if self.block_n % 64 or self.num_warps % 4 or self.block_m % 8 or self.split_k < 0:
             raise ValueError(f"{self}: needs block_n % 64 == 0 and num_warps % 4 == 0 (wgmma)")
 
 
@@ -249,10 +336,48 @@ LARGE_CONFIG = LargeConfig()
 def decode_config(rows: int) -> DecodeConfig:
     """The decode GEMM's tiles for ``rows`` rows of A (per group for MoE)."""
     if rows <= 16:
-        return DecodeConfig(64, 16, 4, 4)
+        return DecodeConfig(64, 16, 4, 2)
     if rows <= 64:
-        return DecodeConfig(64, 64, 4, 3)
-    return DecodeConfig(128, 128, 8, 3)
+        return DecodeConfig(64, 64, 4, 3, split_k=1)
+    return DecodeConfig(128, 128, 8, 3, split_k=1)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: a few programs, so that tests split
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 tile counters for split-K launches on ``device``'s current stream (each tile's
+    last program resets its counter, so they stay zero between launches and graph replays)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _chunks_per_split(cfg: DecodeConfig, tiles: int, rows: int, n: int, k: int, device) -> int:
+    """Fold chunks per program along K (all of them: no split) for a launch of ``tiles`` tiles."""
+    n_chunks = triton.cdiv(k, FOLD)
+    if cfg.split_k == 1 or n_chunks == 1 or tiles > MAX_SPLIT_TILES:
+        return n_chunks
+    if cfg.split_k:
+        splits = cfg.split_k
+    else:
+        if n_chunks * rows * n * 4 > SPLIT_WORKSPACE_BYTES:
+            return n_chunks
+        splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), tiles)
+    return triton.cdiv(n_chunks, max(1, min(splits, n_chunks)))
 
 
 def _vector_arg(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -270,6 +395,39 @@ def _check_operands(a, w, bias: torch.Tensor | None) -> None:
         raise ValueError(f"W4A4 GEMM: bias must be [{w.rows}], got {list(bias.shape)}")
 
 
+def _launch_decode_gemm(
+    a, w, bias, y, n: int, tiles_m: int, sizes, cfg: DecodeConfig, use_asm: bool
+) -> None:
+    """One launch of the decode GEMM over ``tiles_m`` row tiles (grouped when ``sizes``)."""
+    m, k = a.rows, a.cols
+    tiles_n = triton.cdiv(n, cfg.block_n)
+    per_split = _chunks_per_split(cfg, tiles_n * tiles_m, m, n, k, a.device)
+    splits = triton.cdiv(triton.cdiv(k, FOLD), per_split)
+    a_dec, a_dec_stride = _vector_arg(a.decode_scale)
+    w_dec, w_dec_stride = _vector_arg(w.decode_scale)
+    ad = decode_operand(a.codes, a.scales, use_asm=use_asm) if cfg.a_decoded else a.decode_scale
+    if ad.dim() == 0:
+        ad = ad.reshape(1)
+    if splits > 1:
+        partials = torch.empty(triton.cdiv(k, FOLD), m, n, dtype=torch.float32, device=a.device)
+        counters = _split_counters(a.device)
+    else:
+        partials = counters = a_dec
+    groups = sizes.numel() if sizes is not None else 1
+    aw, ww = code_words(a.codes), code_words(w.codes)
+    _w4a4_decode_gemm_kernel[(tiles_n, tiles_m, splits)](
+        aw, aw.stride(0), a.scales.view(torch.uint8), a.scales.stride(0), a_dec, a_dec_stride,
+        ww, ww.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), w_dec, w_dec_stride,
+        bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), ad, ad.stride(0),
+        sizes if sizes is not None else a_dec, partials, counters, m, n, k, groups, per_split,
+        GROUPED=sizes is not None, HAS_BIAS=bias is not None, USE_ASM=use_asm,
+        INTERPRETED=_INTERPRETED, SPLIT=splits > 1, A_DECODED=cfg.a_decoded,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+        BLOCK_G=triton.next_power_of_2(groups), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
 def nvfp4_gemm_sm90(
     a,
     w,
@@ -283,94 +441,68 @@ def nvfp4_gemm_sm90(
     epilogue, ``out_dtype`` [M, N]. ``config``/``use_asm`` override the defaults (tests,
     benchmarks); every choice gives the same bits."""
     _check_operands(a, w, bias)
-    m, n, k = a.rows, w.rows, a.cols
+    m, n = a.rows, w.rows
     use_asm = USE_ASM_DECODE if use_asm is None else use_asm
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return y
-    a_dec, a_dec_stride = _vector_arg(a.decode_scale)
-    w_dec, w_dec_stride = _vector_arg(w.decode_scale)
-    bias_arg = bias if bias is not None else a_dec
     if config is None:
         config = LARGE_CONFIG if m > LARGE_M else decode_config(m)
-    if isinstance(config, LargeConfig):
-        wd = decode_operand(w.codes, w.scales, use_asm=use_asm)
-        ad = decode_operand(a.codes, a.scales, use_asm=use_asm)
-        c = config
-        grid = (triton.cdiv(n, c.block_n) * triton.cdiv(m, c.block_m),)
-        _bf16_gemm_kernel[grid](
-            wd, wd.stride(0), ad, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
-            bias_arg, y, y.stride(0), y.stride(1), m, n, wd.shape[1],
-            HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED,
-            BLOCK_N=c.block_n, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
-            GROUP_N=c.group_n, num_warps=c.num_warps, num_stages=c.num_stages,
-            enable_fp_fusion=False,
-        )  # fmt: skip
+    if isinstance(config, DecodeConfig):
+        _launch_decode_gemm(a, w, bias, y, n, triton.cdiv(m, config.block_m), None, config, use_asm)
         return y
+    a_dec, a_dec_stride = _vector_arg(a.decode_scale)
+    w_dec, w_dec_stride = _vector_arg(w.decode_scale)
+    wd = decode_operand(w.codes, w.scales, use_asm=use_asm)
+    ad = decode_operand(a.codes, a.scales, use_asm=use_asm)
     c = config
-    aw, ww = code_words(a.codes), code_words(w.codes)
-    grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_m))
-    _w4a4_decode_gemm_kernel[grid](
-        aw, aw.stride(0), a.scales.view(torch.uint8), a.scales.stride(0), a_dec, a_dec_stride,
-        ww, ww.stride(0), w.scales.view(torch.uint8), w.scales.stride(0),
-        w_dec, w_dec_stride, bias_arg, y, y.stride(0), y.stride(1), a_dec, m, n, k,
-        GROUPED=False, HAS_BIAS=bias is not None, USE_ASM=use_asm,
-        INTERPRETED=_INTERPRETED, BLOCK_N=c.block_n, BLOCK_M=c.block_m,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+    grid = (triton.cdiv(n, c.block_n) * triton.cdiv(m, c.block_m),)
+    _bf16_gemm_kernel[grid](
+        wd, wd.stride(0), ad, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
+        bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), m, n, wd.shape[1],
+        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED,
+        BLOCK_N=c.block_n, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
+        GROUP_N=c.group_n, num_warps=c.num_warps, num_stages=c.num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
     return y
 
 
 @functools.lru_cache(maxsize=256)
-def group_tiles(sizes: tuple[int, ...], n: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [tiles, 3]: (first row, end row, first weight row) of each expert's row tile.
-
-    Cached, so that a repeated routing (CUDA-graph capture, replays) copies nothing to the GPU."""
-    rows: list[int] = []
-    start = 0
-    for g, size in enumerate(sizes):
-        for r in range(start, start + size, block_m):
-            rows += [r, start + size, g * n]
-        start += size
-    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
+def _sizes_on_device(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A host list of group sizes as a cached int32 device tensor (repeated routings copy once)."""
+    return torch.tensor(sizes, dtype=torch.int32).to(device)
 
 
 def grouped_nvfp4_gemm_sm90(
     a,
     w,
-    sizes: list[int],
+    sizes: torch.Tensor | list[int],
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     config: DecodeConfig | None = None,
     use_asm: bool | None = None,
 ) -> torch.Tensor:
-    """MoE experts: ``a`` [T, K] rows grouped by expert (``sizes``), ``w`` [G*N, K] stacked; row t
-    of group g gets bitwise what the dense GEMM gives it against expert g's rows."""
+    """MoE experts: ``a`` [T, K] rows grouped by expert (``sizes`` [G], summing to T: a device
+    tensor, read only by the kernel, so the call never synchronizes and can be captured in a CUDA
+    graph; or a host list), ``w`` [G*N, K] stacked; row t of group g gets bitwise what the dense
+    GEMM gives it against expert g's rows."""
     _check_operands(a, w, None)
-    n, k = w.rows // len(sizes), a.cols
+    if not isinstance(sizes, torch.Tensor):
+        sizes = _sizes_on_device(tuple(int(s) for s in sizes), a.device)
+    groups = sizes.numel()
+    n, t = w.rows // groups, a.rows
     use_asm = USE_ASM_DECODE if use_asm is None else use_asm
-    y = torch.empty(a.rows, n, dtype=out_dtype, device=a.device)
-    if a.rows == 0 or n == 0:
+    y = torch.empty(t, n, dtype=out_dtype, device=a.device)
+    if t == 0 or n == 0:
         return y
-    c = config or decode_config(max(sizes))
-    tiles = group_tiles(tuple(sizes), n, c.block_m, a.device)
-    a_dec, a_dec_stride = _vector_arg(a.decode_scale)
-    w_dec, w_dec_stride = _vector_arg(w.decode_scale)
-    aw, ww = code_words(a.codes), code_words(w.codes)
-    grid = (triton.cdiv(n, c.block_n), tiles.shape[0])
-    _w4a4_decode_gemm_kernel[grid](
-        aw, aw.stride(0), a.scales.view(torch.uint8), a.scales.stride(0), a_dec, a_dec_stride,
-        ww, ww.stride(0), w.scales.view(torch.uint8), w.scales.stride(0),
-        w_dec, w_dec_stride, a_dec, y, y.stride(0), y.stride(1), tiles, a.rows, n, k,
-        GROUPED=True, HAS_BIAS=False, USE_ASM=use_asm,
-        INTERPRETED=_INTERPRETED, BLOCK_N=c.block_n, BLOCK_M=c.block_m,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+    c = config or decode_config(triton.cdiv(2 * t, groups))
+    # Every row tile that exists holds at least one row: at most min(T, T/BLOCK_M + G) tiles.
+    tiles_m = min(t, triton.cdiv(t, c.block_m) + groups)
+    _launch_decode_gemm(a, w, None, y, n, tiles_m, sizes.to(torch.int32), c, use_asm)
     return y
 
 
 def gemm_path_sm90() -> str:
     """Kernel family and the configuration that fixes its K order (for execution fingerprints)."""
-    return f"triton-sm90-bf16mma-chunk{CHUNK}-8streams-k16"
+    return f"triton-sm90-bf16mma-fold{FOLD}-chunk{CHUNK}-8streams-k16"

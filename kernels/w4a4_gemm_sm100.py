@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a4_gemm import epilogue_store, group_tiles
+from .w4a4_gemm import epilogue_store
 
 BLOCK_K = 128
 
@@ -130,12 +130,25 @@ def nvfp4_gemm_sm100(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -
     return y
 
 
-def grouped_nvfp4_gemm_sm100(a, w, sizes: list[int], out_dtype=torch.bfloat16) -> torch.Tensor:
-    """The grouped (MoE) variant of :func:`nvfp4_gemm_sm100` (unmeasured)."""
+def _group_tiles(sizes: list[int], n: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [tiles, 3]: (first row, end row, first weight row) of each expert's row tile."""
+    rows: list[int] = []
+    start = 0
+    for g, size in enumerate(sizes):
+        for r in range(start, start + size, block_m):
+            rows += [r, start + size, g * n]
+        start += size
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
+
+
+def grouped_nvfp4_gemm_sm100(a, w, sizes, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The grouped (MoE) variant of :func:`nvfp4_gemm_sm100` (unmeasured); ``sizes`` a list or a
+    tensor (read on the host here: this path synchronizes)."""
+    sizes = [int(s) for s in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes)]
     n = w.rows // len(sizes)
     y = torch.empty(a.rows, n, dtype=out_dtype, device=a.device)
     if a.rows and n:
-        tiles = group_tiles(tuple(sizes), n, BLOCK_M, a.device)
+        tiles = _group_tiles(sizes, n, BLOCK_M, a.device)
         _launch(a, w, None, y, tiles, BLOCK_M, tiles.shape[0], n)
     return y
 

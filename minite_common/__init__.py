@@ -1,7 +1,12 @@
 """miniTE's numerical core: the NVFP4 recipe, quantizer and W4A4 linear that both engines call."""
 
 from .autograd import nvfp4_dgrad, nvfp4_wgrad, w4a4_linear_train
-from .grouped import expert_swiglu, grouped_w4a4_linear_train, quantize_stacked_weight
+from .grouped import (
+    expert_counts,
+    expert_swiglu,
+    grouped_w4a4_linear_train,
+    quantize_stacked_weight,
+)
 from .hadamard import random_hadamard_transform, rht_matrix
 from .linear import (
     exact_block_dot,
@@ -31,6 +36,7 @@ __all__ = [
     "exact_block_dot",
     "expert_swiglu",
     "gemm_path",
+    "expert_counts",
     "grouped_w4a4_linear",
     "grouped_w4a4_linear_train",
     "nvfp4_dgrad",

@@ -32,6 +32,16 @@ from .nvfp4 import BLOCK, NVFP4Tensor, cat_rows, check_quantizable
 from .recipe import DEFAULT_RECIPE, NVFP4Recipe
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows routed to each expert: int32 [num_experts] on ``expert_ids``' device, for
+    :func:`grouped_w4a4_linear`'s ``group_sizes``. Unlike ``torch.bincount`` (which reads the
+    largest id on the host on CUDA), it never synchronizes, so a decode step stays capturable in
+    a CUDA graph; integer counts, so the result is deterministic."""
+    ids = expert_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+
 def expert_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of ``gate_up`` [..., 2F] = ``[gate | up]``: ``dtype(silu(f32 gate) * f32 up)``,
     one rounding (the sampler's MoE activation). Differentiable; the backward keeps only the

@@ -189,22 +189,39 @@ def grouped_w4a4_linear(
     row_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A4 linear for MoE experts: ``x`` [T, K] holds rows grouped by expert (group g has
-    ``group_sizes[g]`` consecutive rows); ``w`` stacks the G expert weights as [G*N, K].
+    ``group_sizes[g]`` consecutive rows, summing to T); ``w`` stacks the G expert weights as
+    [G*N, K].
 
     Row t of group g gives bitwise what ``w4a4_linear(x[t:t+1], expert g's weight)`` gives;
-    ``row_amax`` as in :func:`w4a4_linear`.
+    ``row_amax`` as in :func:`w4a4_linear`. On a GPU, ``group_sizes`` may be a device tensor
+    (e.g. ``torch.bincount`` of the routed expert ids): the kernel reads it there, so the call
+    never synchronizes with the host and can be captured in a CUDA graph (its sum is then not
+    checked on the host; rows past the sum are left unwritten).
     """
     check_weight(w, recipe, "grouped_w4a4_linear")
-    sizes = [int(s) for s in group_sizes]
-    if w.rows % max(len(sizes), 1) or sum(sizes) != x.shape[0]:
+    on_device = isinstance(group_sizes, torch.Tensor) and bool(kernel_arch(x.device))
+    if on_device:
+        groups = group_sizes.numel()
+    else:
+        sizes = [int(s) for s in group_sizes]
+        groups = len(sizes)
+    if x.dim() != 2 or x.shape[-1] != w.cols:
         raise ValueError(
-            f"grouped_w4a4_linear: {len(sizes)} groups of {sizes} rows do not fit x "
-            f"{list(x.shape)} and stacked weight {list(w.shape)}"
+            f"grouped_w4a4_linear: x must be [T, {w.cols}] for the stacked weight "
+            f"{list(w.shape)}, got {list(x.shape)}"
         )
-    n = w.rows // len(sizes)
+    if groups == 0 or w.rows % groups or (not on_device and sum(sizes) != x.shape[0]):
+        raise ValueError(
+            f"grouped_w4a4_linear: {groups} groups of sizes "
+            f"{group_sizes if on_device else sizes} do not fit x {list(x.shape)} and stacked "
+            f"weight {list(w.shape)} (need G dividing the weight rows and sizes summing to T)"
+        )
+    n = w.rows // groups
     a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
     if kernel_arch(x.device):
-        return minite_kernels.grouped_nvfp4_gemm(a, w, sizes, out_dtype=x.dtype)
+        return minite_kernels.grouped_nvfp4_gemm(
+            a, w, group_sizes if on_device else sizes, out_dtype=x.dtype
+        )
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     start = 0
     for g, size in enumerate(sizes):

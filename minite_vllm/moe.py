@@ -21,7 +21,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_m
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.utils import set_weight_attrs
 
-from minite_common import grouped_w4a4_linear, row_amax
+from minite_common import expert_counts, grouped_w4a4_linear, row_amax
 from minite_common.grouped import expert_swiglu
 from minite_common.ops import moe_combine
 
@@ -196,7 +196,8 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             return x.new_zeros(0, self.hidden)
         flat = topk_ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
-        group_sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # Stays on the device: the grouped kernel reads it there (no sync, graph-capturable).
+        group_sizes = expert_counts(flat, self.num_experts)
         rows = x.index_select(0, order // top_k)
         gate_up = grouped_w4a4_linear(
             rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-CHECKS = ["quantize", "quantize_two_pass", "decode_operand", "gemm", "grouped"]
+CHECKS = ["quantize", "quantize_two_pass", "decode_operand", "gemm", "split_k", "grouped"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -162,6 +162,29 @@ def _check_gemm() -> None:
     assert y[1].isnan().all() and torch.isfinite(y[[0, 2, 3]]).all()
 
 
+def _check_split_k() -> None:
+    """Split-K programs (chunk partials in a workspace, the tile's last program folds them) give
+    bitwise the unsplit kernel's result (same tiles), for every split count; fold chunks of 512
+    elements, the last one shorter; the tile counters return to zero."""
+    from minite_kernels import w4a4_gemm as g
+    from minite_kernels.w4a4_gemm import DecodeConfig, nvfp4_gemm_sm90
+
+    from minite_common import quantize_nvfp4
+
+    m, n, k = 3, 64, 2 * g.FOLD + 48
+    a = quantize_nvfp4(_inputs(m, k, 11).nan_to_num(0.0, 0.0, 0.0))
+    w = quantize_nvfp4(_inputs(n, k, 12).nan_to_num(0.0, 0.0, 0.0), amax="tensor", block_2d=True)
+    base = nvfp4_gemm_sm90(a, w, None, torch.float32, config=DecodeConfig(64, 16, 4, 1, 1),
+                           use_asm=False)  # fmt: skip
+    _assert_close(base, _reference(a, w), k, a, w)
+    for splits in (0, 2, 3):
+        for a_decoded in (False, True):  # activation decoded per program, or once up front
+            cfg = DecodeConfig(64, 16, 4, 1, splits, a_decoded)
+            y = nvfp4_gemm_sm90(a, w, None, torch.float32, config=cfg, use_asm=False)
+            assert torch.equal(y, base), cfg
+    assert int(g._split_counters(a.device).abs().sum()) == 0
+
+
 def _check_grouped() -> None:
     from minite_kernels.w4a4_gemm import DecodeConfig, grouped_nvfp4_gemm_sm90
 
@@ -174,6 +197,10 @@ def _check_grouped() -> None:
                        block_2d=True)  # fmt: skip
     y = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=DecodeConfig(64, 16, 4, 1),
                                 use_asm=False)  # fmt: skip
+    on_device = torch.tensor(sizes)  # the kernel reads the sizes itself (no host tile table)
+    y2 = grouped_nvfp4_gemm_sm90(a, w, on_device, torch.float32,
+                                 config=DecodeConfig(64, 16, 4, 1, 2), use_asm=False)  # fmt: skip
+    assert torch.equal(y, y2)
     start = 0
     for e, size in enumerate(sizes):
         if size:

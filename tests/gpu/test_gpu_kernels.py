@@ -14,6 +14,7 @@ import torch
 from minite_common import (
     dequantize_nvfp4,
     exact_block_dot,
+    expert_counts,
     gemm_path,
     grouped_w4a4_linear,
     nvfp4_gemm,
@@ -180,13 +181,13 @@ def test_gemm_odd_shapes_bias_every_element_written(out_dtype: torch.dtype) -> N
 def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
     from minite_kernels.w4a4_gemm import LARGE_M, DecodeConfig, LargeConfig, nvfp4_gemm_sm90
 
-    n, k = 768, 2048
+    n, k = 768, 2064  # 5 fold chunks, the last one 16 elements
     w = quantize_nvfp4(_make("normal", n, k, 1).cuda(), amax="tensor", block_2d=True)
-    pool = _make("heavy", 4096, k, 2).cuda().bfloat16()
+    pool = _make("heavy", 4097, k, 2).cuda().bfloat16()
     probes = _make("normal", 3, k, 3).cuda().bfloat16()
     alone = [w4a4_linear(p[None], w) for p in probes]
     alone_f32 = [nvfp4_gemm(quantize_nvfp4(p[None]), w, out_dtype=torch.float32) for p in probes]
-    for m in (1, 3, 16, 17, 64, 65, 128, LARGE_M, LARGE_M + 1, 4096):  # every tile config
+    for m in (1, 3, 16, 17, 64, 65, 128, 257, LARGE_M, LARGE_M + 1, 4097):  # every tile config
         for pos in {0, m // 2, m - 1}:
             for i, p in enumerate(probes):
                 x = pool[:m].clone()
@@ -198,8 +199,11 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
     a = quantize_nvfp4(pool[:300])
     base = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=DecodeConfig(64, 16, 4, 4))
     configs = [DecodeConfig(64, 16, 4, 2), DecodeConfig(128, 16, 8, 4), DecodeConfig(64, 64, 4, 3),
-               DecodeConfig(128, 128, 8, 3), LargeConfig(), LargeConfig(128, 128, 64, 8, 8, 4),
-               LargeConfig(64, 64, 64, 1, 4, 2)]  # fmt: skip
+               DecodeConfig(128, 128, 8, 3), DecodeConfig(64, 16, 4, 4, split_k=1),
+               DecodeConfig(64, 16, 4, 4, split_k=2), DecodeConfig(64, 16, 4, 4, split_k=5),
+               DecodeConfig(64, 128, 4, 2, split_k=3), DecodeConfig(64, 16, 4, 3, 0, True),
+               DecodeConfig(128, 128, 8, 3, 2, True), LargeConfig(),
+               LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(64, 64, 64, 1, 4, 2)]  # fmt: skip
     for cfg in configs:
         for use_asm in (True, False):
             y = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=cfg, use_asm=use_asm)
@@ -232,6 +236,50 @@ def test_grouped_gemm_equals_dense_per_group() -> None:
     other = [3, 1, 17, 0, 0, 40, 130, 3]
     y2 = grouped_w4a4_linear(x, w, other)
     assert torch.equal(y2[21:61], y[21:61])  # rows 21..60 are expert 5's in both routings
+    # group sizes as a device tensor (read by the kernel), split K: the same bits
+    on_device = torch.tensor(sizes, device="cuda")
+    assert torch.equal(grouped_w4a4_linear(x, w, on_device), y)
+    got = grouped_nvfp4_gemm_sm90(a, w, on_device, torch.float32,
+                                  config=DecodeConfig(64, 16, 4, 4, split_k=2))  # fmt: skip
+    ref = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=DecodeConfig(64, 16, 4, 4))
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256])
+def test_grouped_decode_step_in_cuda_graph(tokens: int) -> None:
+    """The MoE path as vLLM's decode step runs it: routing and group sizes on the device, the
+    whole step captured in a CUDA graph and replayed on new routings; empty and one-row experts;
+    each row bitwise equal to the dense linear against its expert."""
+    g, n, k, top_k = 32, 128, 1536, 4
+    w = quantize_nvfp4(_make("normal", g * n, k, 10).cuda(), amax="tensor", block_2d=True)
+    x = torch.empty(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(tokens * top_k, dtype=torch.long, device="cuda")
+
+    def step() -> torch.Tensor:
+        order = torch.argsort(ids, stable=True)
+        sizes = expert_counts(ids, g)
+        return grouped_w4a4_linear(x.index_select(0, order), w, sizes), order
+
+    gen = _gen(tokens)
+    x.copy_(_make("normal", tokens * top_k, k, tokens).bfloat16())
+    ids.copy_(torch.randint(0, g, (tokens * top_k,), generator=gen))
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, order = step()
+    for trial in range(3):
+        x.copy_(_make("heavy", tokens * top_k, k, 100 + trial).bfloat16())
+        routed = torch.randint(0, g // 2, (tokens * top_k,), generator=gen)  # some experts empty
+        ids.copy_(routed)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = x.index_select(0, order)
+        expert = ids[order]
+        for e in expert.unique().tolist():
+            sel = (expert == e).nonzero().flatten()
+            dense = w4a4_linear(rows[sel], w.narrow_rows(e * n, n))
+            assert torch.equal(out[sel], dense), (trial, e)
 
 
 def test_w4a4_linear_matches_cpu_path() -> None:
