@@ -330,7 +330,7 @@ class LargeConfig:
 
 #: Options chosen from the H200 measurements in benchmarks/NOTES_kernels.md.
 USE_ASM_DECODE = True
-LARGE_CONFIG = LargeConfig()
+LARGE_CONFIG = LargeConfig(128, 128, 64, 8, 8, 4)
 
 
 def decode_config(rows: int) -> DecodeConfig:
@@ -338,8 +338,8 @@ def decode_config(rows: int) -> DecodeConfig:
     if rows <= 16:
         return DecodeConfig(64, 16, 4, 2)
     if rows <= 64:
-        return DecodeConfig(64, 64, 4, 3, split_k=1)
-    return DecodeConfig(128, 128, 8, 3, split_k=1)
+        return DecodeConfig(64, 64, 4, 3)
+    return DecodeConfig(128, 128, 8, 3, split_k=1, a_decoded=True)
 
 
 @functools.cache
@@ -376,7 +376,10 @@ def _chunks_per_split(cfg: DecodeConfig, tiles: int, rows: int, n: int, k: int, 
     else:
         if n_chunks * rows * n * 4 > SPLIT_WORKSPACE_BYTES:
             return n_chunks
-        splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _num_sms(device), tiles)
+        sms = _num_sms(device)
+        if cfg.block_m > 16 and 2 * tiles >= sms:
+            return n_chunks  # MMA-heavy tiles: split only an under-filled launch
+        splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles)
     return triton.cdiv(n_chunks, max(1, min(splits, n_chunks)))
 
 
