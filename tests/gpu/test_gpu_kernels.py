@@ -206,7 +206,10 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
                LargeConfig(),
                LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(64, 64, 64, 1, 4, 2)]  # fmt: skip
     for cfg in configs:
-        for use_asm in (True, False):
+        # the float32 bits-decode (interpreter fallback) needs more shared memory than
+        # 128-row tiles with a streamed activation have: there only the PTX decode runs
+        wide = isinstance(cfg, DecodeConfig) and cfg.a_decoded and cfg.block_n == 128
+        for use_asm in (True,) if wide else (True, False):
             y = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=cfg, use_asm=use_asm)
             assert torch.equal(y, base), (cfg, use_asm)
     with pytest.raises(ValueError, match="wgmma"):
