@@ -152,22 +152,27 @@ def bench_square(results: dict, variants: bool) -> None:
             continue
         safe(results, f"{tag} ours bits-decode", s.ours(use_asm=False))
         if m <= 16:
-            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(64, 16, 4, 2),
-                        DecodeConfig(64, 16, 4, 3, split_k=1), DecodeConfig(64, 16, 4, 3, 8),
-                        DecodeConfig(64, 16, 4, 3, 4), DecodeConfig(64, 16, 4, 2, 0, True),
-                        DecodeConfig(64, 16, 4, 3, 0, True), DecodeConfig(64, 16, 4, 4, 0, True),
-                        DecodeConfig(64, 16, 4, 3, 8, True)):  # fmt: skip
+            for cfg in (DecodeConfig(64, 16, 4, 3), DecodeConfig(64, 16, 4, 4),
+                        DecodeConfig(64, 16, 4, 2, split_k=1), DecodeConfig(64, 16, 4, 2, 8),
+                        DecodeConfig(64, 16, 4, 2, 16), DecodeConfig(64, 16, 4, 2, 0, True),
+                        DecodeConfig(128, 16, 8, 2), DecodeConfig(128, 16, 4, 2)):  # fmt: skip
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
         if 16 < m <= 512:
             for cfg in (DecodeConfig(64, 64, 4, 3, split_k=1), DecodeConfig(64, 64, 4, 3, 1, True),
-                        DecodeConfig(64, 64, 4, 4, 2, True), DecodeConfig(128, 128, 8, 3),
-                        DecodeConfig(128, 128, 8, 3, 1, True), DecodeConfig(128, 64, 8, 3, 1, True),
-                        DecodeConfig(128, 256, 8, 3, 1, True)):  # fmt: skip
+                        DecodeConfig(64, 64, 4, 3, 0, True), DecodeConfig(128, 64, 8, 3, 1, True),
+                        DecodeConfig(64, 128, 4, 3, 1, True), DecodeConfig(128, 128, 8, 4, 1, True),
+                        DecodeConfig(128, 128, 8, 3, 1), DecodeConfig(128, 256, 8, 3, 1, True),
+                        DecodeConfig(128, 128, 8, 3, 0, True)):  # fmt: skip
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
         if 64 < m <= 1024:
             safe(results, f"{tag} large-path", s.ours(config=gemm_mod.LARGE_CONFIG))
         if m >= 1024:
-            for cfg in (LargeConfig(128, 256, 64, 8, 8, 3), LargeConfig(128, 128, 64, 4, 8, 3)):
+            for cfg in (
+                LargeConfig(128, 256, 64, 8, 8, 3),
+                LargeConfig(128, 128, 64, 8, 8, 3),
+                LargeConfig(256, 128, 64, 8, 8, 3),
+                LargeConfig(128, 256, 64, 8, 8, 4),
+            ):
                 safe(results, f"{tag} {cfg}", s.ours(config=cfg))
         if m == 8192:
             safe(results, f"{tag} decode A+W only", lambda s=s: [

@@ -8,8 +8,9 @@ codes included) and folds 2^126 into the block scale, which then fits BF16 only 
 ``scale * 2^119``. The GEMM epilogue multiplies the float32 accumulator by 2^14 (exact).
 
 Codes are read as 32-bit words of 8 nibbles (elements 8j..8j+7 of a row). K order: per chunk of
-``CHUNK`` = 256 elements (32 words), 8 streams, stream p holding nibble p of every word (elements
-8j + p); the GEMMs sum stream 0, then 1, ..., 7, in 16-element MMA steps, chunk after chunk.
+``CHUNK`` = 128 elements (16 words), 8 streams, stream p holding nibble p of every word (elements
+8j + p); the GEMMs sum stream 0, then 1, ..., 7, one 16-element MMA step each, chunk after chunk
+(128 rather than 256: half the decoded weight is live in registers at a time).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from ._fp import e4m3_to_f32
 
-CHUNK = 256
+CHUNK = 128
 CHUNK_K = tl.constexpr(CHUNK)
 STREAMS = 8
 
@@ -145,8 +146,8 @@ def code_words(codes: torch.Tensor) -> torch.Tensor:
 def decode_operand(
     codes: torch.Tensor, scales: torch.Tensor, *, use_asm: bool, block_rows: int = 32
 ) -> torch.Tensor:
-    """BF16 ``[rows, ceil(K/256)*256]``: each element ``code*scale*2^-7`` in the GEMM's K order
-    (per 256-chunk the 8 streams), zero past K; codes/scales as in NVFP4Tensor."""
+    """BF16 ``[rows, ceil(K/CHUNK)*CHUNK]``: each element ``code*scale*2^-7`` in the GEMM's K order
+    (per CHUNK the 8 streams), zero past K; codes/scales as in NVFP4Tensor."""
     rows, k = codes.shape[0], codes.shape[1] * 2
     chunks = triton.cdiv(k, CHUNK)
     out = torch.empty(rows, chunks * CHUNK, dtype=torch.bfloat16, device=codes.device)

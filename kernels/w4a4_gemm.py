@@ -7,7 +7,7 @@ left operand.
 K order (contract v2, docs/contract.md "Accumulation order"): K is cut into fold chunks of
 ``FOLD`` = 512 elements (the last one may be shorter). Each chunk's partial sum is one chain of
 16-element wgmma steps (Hopper's warpgroup MMA, m64nNk16, weight on the left) starting from zero:
-per 256-element decode chunk the 8 nibble streams in order (``nvfp4_decode``). The chunk partials
+per 128-element decode chunk the 8 nibble streams in order (``nvfp4_decode``). The chunk partials
 are then folded in float32, ``acc = (((0 + p0) + p1) + ...)``, in chunk order. Every kernel
 below computes exactly this, so a row's result depends on nothing else in the batch:
 
@@ -37,7 +37,6 @@ from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode
 
 #: K elements per fold chunk: one MMA chain each, the chains folded in order (contract v2).
 FOLD = 512
-FOLD_K = tl.constexpr(FOLD)
 #: Both decoded operands carry 2^-7; the accumulator is rescaled by 2^14 (exact) in the epilogue.
 ACC_SCALE = tl.constexpr(16384.0)
 #: Above this many rows the GEMM decodes both operands to BF16 scratch first.
@@ -144,6 +143,8 @@ def _w4a4_decode_gemm_kernel(
     INTERPRETED: tl.constexpr,
     SPLIT: tl.constexpr,
     A_DECODED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FOLD_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -169,51 +170,62 @@ def _w4a4_decode_gemm_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < row_end
     w_rows = w_row0 + offs_n
-    w_rows64 = w_rows.to(tl.int64)
-    a_rows64 = offs_m.to(tl.int64)
+    # Loads read clamped rows (a tail tile repeats the last valid row) and need no row masks;
+    # only the stores are masked. K is masked only when it is not a multiple of CHUNK.
+    w_rows64 = (w_row0 + tl.minimum(offs_n, N - 1)).to(tl.int64)
+    a_rows64 = tl.minimum(offs_m, row_end - 1).to(tl.int64)
     offs_w = tl.arange(0, WORDS)
     offs_b = tl.arange(0, WORDS // 2)
-    n_chunks = tl.cdiv(K, FOLD_K)
+    n_chunks = tl.cdiv(K, FOLD_SIZE)
     first = tl.program_id(2) * chunks_per_split
     last = tl.minimum(first + chunks_per_split, n_chunks)
-    part_ptrs = partials + a_rows64[None, :] * N + offs_n[:, None]
+    part_ptrs = partials + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
     tile_ok = n_ok[:, None] & m_ok[None, :]
+    w_word_ptrs = w_words + w_rows64[:, None] * stride_ww + offs_w[None, :]
+    w_scale_ptrs = w_scales + w_rows64[:, None] * stride_ws + offs_b[None, :]
+    a_word_ptrs = a_words + a_rows64[:, None] * stride_aw + offs_w[None, :]
+    a_scale_ptrs = a_scales + a_rows64[:, None] * stride_as + offs_b[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for c in range(first, last):
-        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(c * FOLD_K, tl.minimum(c * FOLD_K + FOLD_K, K), CHUNK_K):
-            word = k0 // 8 + offs_w
-            w_ok = n_ok[:, None] & (word < K // 8)[None, :]
-            a_ok = m_ok[:, None] & (word < K // 8)[None, :]
-            ww = tl.load(w_words + w_rows64[:, None] * stride_ww + word[None, :], mask=w_ok,
-                         other=0)  # fmt: skip
-            blk = k0 // 16 + offs_b
-            ws = tl.load(w_scales + w_rows64[:, None] * stride_ws + blk[None, :],
-                         mask=n_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
-            ws = tl.reshape(
-                tl.broadcast_to(ws[:, :, None], [BLOCK_N, WORDS // 2, 2]), [BLOCK_N, WORDS]
-            )
-            w = decode_nvfp4_words(ww, ws, USE_ASM)
-            if not A_DECODED:
-                aw = tl.load(a_words + a_rows64[:, None] * stride_aw + word[None, :], mask=a_ok,
-                             other=0)  # fmt: skip
-                as_ = tl.load(a_scales + a_rows64[:, None] * stride_as + blk[None, :],
-                              mask=m_ok[:, None] & (blk < K // 16)[None, :], other=0)  # fmt: skip
-                as_ = tl.reshape(
-                    tl.broadcast_to(as_[:, :, None], [BLOCK_M, WORDS // 2, 2]), [BLOCK_M, WORDS]
-                )
-                a = decode_nvfp4_words(aw, as_, USE_ASM)
-            for p in tl.static_range(8):
-                if A_DECODED:
-                    a_p = tl.load(ad + a_rows64[:, None] * stride_ad + (k0 + p * WORDS)
-                                  + offs_w[None, :], mask=m_ok[:, None], other=0.0)  # fmt: skip
-                else:
-                    a_p = a[p]
-                part = mma(w[p], a_p, part, INTERPRETED)
-        if SPLIT:
-            tl.store(part_ptrs + c * M * N, part, mask=tile_ok)
+    part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # One flat loop over this program's chunks; at each fold-chunk end the chunk's chain goes to
+    # the workspace (SPLIT) or joins acc.
+    for k0 in range(first * FOLD_SIZE, tl.minimum(last * FOLD_SIZE, K), CHUNK_K):
+        if EVEN_K:
+            ww = tl.load(w_word_ptrs + k0 // 8)
+            ws = tl.load(w_scale_ptrs + k0 // 16)
         else:
-            acc = acc + part
+            w_ok = (k0 // 8 + offs_w < K // 8)[None, :]
+            ww = tl.load(w_word_ptrs + k0 // 8, mask=w_ok, other=0)
+            ws = tl.load(w_scale_ptrs + k0 // 16, mask=(k0 // 16 + offs_b < K // 16)[None, :],
+                         other=0)  # fmt: skip
+        ws = tl.reshape(tl.broadcast_to(ws[:, :, None], [BLOCK_N, WORDS // 2, 2]), [BLOCK_N, WORDS])
+        w = decode_nvfp4_words(ww, ws, USE_ASM)
+        if not A_DECODED:
+            if EVEN_K:
+                aw = tl.load(a_word_ptrs + k0 // 8)
+                as_ = tl.load(a_scale_ptrs + k0 // 16)
+            else:
+                aw = tl.load(a_word_ptrs + k0 // 8, mask=(k0 // 8 + offs_w < K // 8)[None, :],
+                             other=0)  # fmt: skip
+                as_ = tl.load(a_scale_ptrs + k0 // 16,
+                              mask=(k0 // 16 + offs_b < K // 16)[None, :], other=0)  # fmt: skip
+            as_ = tl.reshape(
+                tl.broadcast_to(as_[:, :, None], [BLOCK_M, WORDS // 2, 2]), [BLOCK_M, WORDS]
+            )
+            a = decode_nvfp4_words(aw, as_, USE_ASM)
+        for p in tl.static_range(8):
+            if A_DECODED:
+                a_p = tl.load(ad + a_rows64[:, None] * stride_ad + (k0 + p * WORDS)
+                              + offs_w[None, :])  # fmt: skip
+            else:
+                a_p = a[p]
+            part = mma(w[p], a_p, part, INTERPRETED)
+        if (k0 + CHUNK_K) % FOLD_SIZE == 0 or k0 + CHUNK_K >= K:
+            if SPLIT:
+                tl.store(part_ptrs + (k0 // FOLD_SIZE) * M * N, part, mask=tile_ok)
+            else:
+                acc = acc + part
+            part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if SPLIT:
         # Publish this program's partials; the tile's last program folds all of them in order.
         tl.debug_barrier()
@@ -255,6 +267,7 @@ def _bf16_gemm_kernel(
     K_PADDED,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FOLD_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -279,14 +292,16 @@ def _bf16_gemm_kernel(
     w_ptrs = wd + offs_n[:, None].to(tl.int64) * stride_wd + offs_k[None, :]
     a_ptrs = ad + offs_m[:, None].to(tl.int64) * stride_ad + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    # flatten: one software-pipelined loop over the whole K (the fold does not stall the loads)
-    for c in tl.range(0, K_PADDED, FOLD_K, flatten=True):
-        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k in range(c, tl.minimum(c + FOLD_K, K_PADDED), BLOCK_K):
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
-            part = mma(w, a, part, INTERPRETED)
-        acc = acc + part
+    part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # One flat (software-pipelined) loop; at each fold-chunk end the chunk's chain joins acc.
+    for k in range(0, K_PADDED, BLOCK_K):
+        w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
+        part = mma(w, a, part, INTERPRETED)
+        if (k + BLOCK_K) % FOLD_SIZE == 0:
+            acc = acc + part
+            part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = acc + part  # a last, shorter chunk (adding +0 to acc, which is never -0, changes nothing)
     epilogue_store(
         acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym, stride_yn,
         offs_n, offs_m, offs_n, n_ok, m_ok, HAS_BIAS,
@@ -425,6 +440,7 @@ def _launch_decode_gemm(
         sizes if sizes is not None else a_dec, partials, counters, m, n, k, groups, per_split,
         GROUPED=sizes is not None, HAS_BIAS=bias is not None, USE_ASM=use_asm,
         INTERPRETED=_INTERPRETED, SPLIT=splits > 1, A_DECODED=cfg.a_decoded,
+        EVEN_K=k % CHUNK == 0, FOLD_SIZE=FOLD,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         BLOCK_G=triton.next_power_of_2(groups), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False,
@@ -463,7 +479,7 @@ def nvfp4_gemm_sm90(
     _bf16_gemm_kernel[grid](
         wd, wd.stride(0), ad, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
         bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), m, n, wd.shape[1],
-        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED,
+        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED, FOLD_SIZE=FOLD,
         BLOCK_N=c.block_n, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
         GROUP_N=c.group_n, num_warps=c.num_warps, num_stages=c.num_stages,
         enable_fp_fusion=False,
