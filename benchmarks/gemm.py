@@ -271,6 +271,7 @@ def run_checks(results: dict) -> None:
         "split2": dict(config=DecodeConfig(64, 16, 4, 4, split_k=2)),
         "split8": dict(config=DecodeConfig(64, 64, 4, 3, split_k=8)),
         "a-decoded": dict(config=DecodeConfig(64, 16, 4, 3, split_k=3, a_decoded=True)),
+        "bn128-1wg": dict(config=DecodeConfig(128, 16, 4, 2, split_k=5)),
         "large": dict(config=LargeConfig()),
         "large-bits": dict(config=LargeConfig(), use_asm=False),
     }

@@ -193,6 +193,7 @@ def _absmax_kernel(
 
 _SINGLE_PASS_MAX_K = 16384
 _TILE_ELEMENTS = 8192
+_ONE_ROW_PROGRAMS = 256
 
 
 def quantize_nvfp4_triton(
@@ -238,7 +239,8 @@ def quantize_nvfp4_triton(
         single = False
     elif k <= _SINGLE_PASS_MAX_K and not block_2d:
         block_k = triton.next_power_of_2(k)
-        block_m = max(1, _TILE_ELEMENTS // block_k)
+        # a few rows (decode steps): one row per program, so that they run side by side
+        block_m = 1 if rows <= _ONE_ROW_PROGRAMS else max(1, _TILE_ELEMENTS // block_k)
         single = True
     else:
         block_m, block_k, single = 4, 512, False

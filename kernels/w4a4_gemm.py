@@ -332,7 +332,7 @@ class LargeConfig:
     """Tiles of the pre-decoded BF16 GEMM (BLOCK_K divides CHUNK: the K order is unchanged)."""
 
     block_n: int = 128
-    block_m: int = 256
+    block_m: int = 128
     block_k: int = 64
     group_n: int = 8
     num_warps: int = 8
@@ -345,16 +345,16 @@ class LargeConfig:
 
 #: Options chosen from the H200 measurements in benchmarks/NOTES_kernels.md.
 USE_ASM_DECODE = True
-LARGE_CONFIG = LargeConfig(128, 128, 64, 8, 8, 4)
+LARGE_CONFIG = LargeConfig(128, 128, 64, 8, 8, 3)
 
 
 def decode_config(rows: int) -> DecodeConfig:
     """The decode GEMM's tiles for ``rows`` rows of A (per group for MoE)."""
     if rows <= 16:
-        return DecodeConfig(64, 16, 4, 2)
+        return DecodeConfig(128, 16, 4, 2)
     if rows <= 64:
         return DecodeConfig(64, 64, 4, 3)
-    return DecodeConfig(128, 128, 8, 3, split_k=1, a_decoded=True)
+    return DecodeConfig(128, 128, 8, 3, split_k=1)
 
 
 @functools.cache

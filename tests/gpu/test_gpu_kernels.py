@@ -199,6 +199,7 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
     a = quantize_nvfp4(pool[:300])
     base = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=DecodeConfig(64, 16, 4, 4))
     configs = [DecodeConfig(64, 16, 4, 2), DecodeConfig(128, 16, 8, 4), DecodeConfig(64, 64, 4, 3),
+               DecodeConfig(128, 16, 4, 2), DecodeConfig(128, 16, 4, 2, split_k=3),
                DecodeConfig(128, 128, 8, 3), DecodeConfig(64, 16, 4, 4, split_k=1),
                DecodeConfig(64, 16, 4, 4, split_k=2), DecodeConfig(64, 16, 4, 4, split_k=5),
                DecodeConfig(64, 128, 4, 2, split_k=3), DecodeConfig(64, 16, 4, 3, 0, True),
