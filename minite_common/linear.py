@@ -123,6 +123,28 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x2), x2, torch.zeros_like(x2)).abs().amax(dim=-1)
 
 
+def _check_row_amax(given: torch.Tensor, x2: torch.Tensor) -> None:
+    """Refuse a ``row_amax`` that cannot be the amax of rows containing ``x2``: wrong shape,
+    negative, NaN, or below the amax of the slice itself (which would saturate it silently).
+    The value check reads the result on the host, so it is skipped while a CUDA graph is being
+    captured (replays reuse the checked eager call's shapes)."""
+    if not isinstance(given, torch.Tensor) or given.shape not in (torch.Size([]), x2.shape[:1]):
+        raise ValueError(
+            f"w4a4_linear: row_amax must be a tensor of shape [{x2.shape[0]}] (one amax per row) "
+            f"or a scalar, got {getattr(given, 'shape', type(given).__name__)}"
+        )
+    if given.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    local = row_amax(x2)
+    bad = torch.isnan(given) | (given.float() < local)
+    if bool(bad.any()):
+        raise ValueError(
+            f"w4a4_linear: row_amax is NaN, negative or smaller than the row's own max |x| for "
+            f"{int(bad.sum())} row(s); pass the MAX-reduced amax of the whole (unsharded) row, "
+            "e.g. row_amax(x) all-reduced with MAX over the tensor-parallel group"
+        )
+
+
 def w4a4_linear(
     x: torch.Tensor,
     w: NVFP4Tensor,
@@ -144,6 +166,11 @@ def w4a4_linear(
             "w4a4_linear: x must be a float32, bfloat16 or float16 tensor, got "
             f"{getattr(x, 'dtype', type(x).__name__)}"
         )
+    if x.dim() == 0:
+        raise ValueError(
+            f"w4a4_linear: x is a 0-d tensor; it needs at least one dimension of size {w.cols} "
+            "(the layer's input size)"
+        )
     if x.shape[-1] != w.cols:
         raise ValueError(
             f"w4a4_linear: x has last dimension {x.shape[-1]} but the weight is "
@@ -152,8 +179,10 @@ def w4a4_linear(
     if bias is not None and bias.shape != (w.rows,):
         raise ValueError(f"w4a4_linear: bias must have shape [{w.rows}], got {list(bias.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    if row_amax is not None and recipe.activation_amax != "row":
-        raise ValueError("w4a4_linear: row_amax needs a recipe with activation_amax='row'")
+    if row_amax is not None:
+        if recipe.activation_amax != "row":
+            raise ValueError("w4a4_linear: row_amax needs a recipe with activation_amax='row'")
+        _check_row_amax(row_amax, x2)
     a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
     y = nvfp4_gemm(a, w, bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], w.rows)

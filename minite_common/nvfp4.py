@@ -163,7 +163,8 @@ def cat_rows(parts: list[NVFP4Tensor]) -> NVFP4Tensor:
 
 
 def check_quantizable(x: torch.Tensor, what: str = "tensor") -> None:
-    """Raise a clear error unless ``x`` is a 2D float tensor whose last dimension divides by 16."""
+    """Raise a clear error unless ``x`` is a 2D float tensor whose last dimension is a positive
+    multiple of 16."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -173,10 +174,10 @@ def check_quantizable(x: torch.Tensor, what: str = "tensor") -> None:
         )
     if x.dim() != 2:
         raise ValueError(f"{what}: expected a 2D tensor [rows, K], got shape {list(x.shape)}")
-    if x.shape[1] % BLOCK:
+    if x.shape[1] == 0 or x.shape[1] % BLOCK:
         raise ValueError(
-            f"{what}: the quantized (last) dimension K={x.shape[1]} must be a multiple of 16 "
-            "(NVFP4 scales blocks of 16 elements); pad K or keep this layer in BF16"
+            f"{what}: the quantized (last) dimension K={x.shape[1]} must be a positive multiple of "
+            "16 (NVFP4 scales blocks of 16 elements); pad K or keep this layer in BF16"
         )
 
 
