@@ -116,7 +116,7 @@ def test_a_fused_layer_is_kept_in_bf16_whole_or_not_at_all():
     prefix = "model.layers.0.self_attn.qkv_proj"
     names = hf_module_names(prefix, mapping)
     assert names == [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-    config = MiniteConfig(NVFP4Recipe(bf16_modules=(r"\.k_proj$",)))
+    config = MiniteConfig(NVFP4Recipe(bf16_modules=("*.k_proj",)))
     with pytest.raises(ValueError, match="vLLM fuses them into one layer"):
         config.keeps_bf16(prefix, names, 2)
 
