@@ -11,7 +11,9 @@ tensor with its own global scale, exactly as :func:`quantize_weight` makes it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,3 +107,26 @@ def recipe_from_quantization_config(cfg: Mapping[str, Any]) -> NVFP4Recipe:
             "miniTE version; re-quantize the checkpoint"
         )
     return recipe
+
+
+def recipe_from_file(path: str | Path, where: str) -> NVFP4Recipe:
+    """The recipe in JSON file ``path`` (``NVFP4Recipe.to_dict()`` or a whole miniTE
+    ``quantization_config``); errors name ``where`` (e.g. ``--recipe``) and the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise type(e)(f"{where}: cannot read the recipe file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{where}: {path} holds a JSON {type(data).__name__}; a recipe file holds one object, "
+            "NVFP4Recipe.to_dict() or a miniTE quantization_config"
+        )
+    try:
+        if data.get("quant_method") == QUANT_METHOD:
+            return recipe_from_quantization_config(data)
+        return NVFP4Recipe.from_dict(data)
+    except (ValueError, TypeError) as e:
+        error = type(e) if isinstance(e, ValueError) else ValueError
+        raise error(f"{where} ({path}): {e}") from e

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minite.cli import main as minite_main
+from minite.commands.quantize_model import quantize_checkpoint
 from minite.tiny_model import TinyModelSpec, write_tiny_model
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe, RecipeMismatchError, quantize_weight
 from minite_common.checkpoint import nvfp4_to_state, quantization_config
@@ -56,12 +57,63 @@ def test_quantize_model_writes_the_learners_bytes(tiny_dense_dir, quantized_dir)
 
 
 def test_quantize_model_refuses_a_quantized_source_and_a_used_destination(
-    tiny_dense_dir, quantized_dir, tmp_path
+    tiny_dense_dir, quantized_dir, tmp_path, capsys
 ):
+    assert minite_main(["quantize-model", str(quantized_dir), str(tmp_path / "again")]) == 2
+    assert "minite: error: " in capsys.readouterr().err
     with pytest.raises(ValueError, match="already quantized"):
-        minite_main(["quantize-model", str(quantized_dir), str(tmp_path / "again")])
-    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
-        minite_main(["quantize-model", str(tiny_dense_dir), str(quantized_dir)])
+        quantize_checkpoint(quantized_dir, tmp_path / "again")
+    with pytest.raises(FileExistsError, match=r"q is not an empty folder .*config\.json"):
+        quantize_checkpoint(tiny_dense_dir, quantized_dir)
+    # Another model's leftover shards are not mixed in: the folder is refused, untouched.
+    leftovers = tmp_path / "leftovers"
+    leftovers.mkdir()
+    (leftovers / "model-00002-of-00002.safetensors").write_bytes(b"another model")
+    assert minite_main(["quantize-model", str(tiny_dense_dir), str(leftovers)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minite: error: ") and err.count("\n") == 1, err
+    assert "model-00002-of-00002.safetensors" in err and "choose a new or empty" in err
+    assert [p.name for p in leftovers.iterdir()] == ["model-00002-of-00002.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["leftovers"]
+    # An empty folder is fine.
+    (tmp_path / "empty").mkdir()
+    quantize_checkpoint(tiny_dense_dir, tmp_path / "empty")
+    assert (tmp_path / "empty" / "config.json").exists()
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from minite.cli import main
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    sys.exit(main(["quantize-model", *sys.argv[2:]]))
+    """
+)
+
+
+def test_quantize_model_on_a_full_disk_leaves_nothing(tiny_dense_dir, quantized_dir, tmp_path):
+    # A source whose tokenizer.json is larger than the file-size limit, which the quantized
+    # weights fit under: the copy fails half-way, as on a full disk.
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in tiny_dense_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    limit = (quantized_dir / "model.safetensors").stat().st_size + 4096
+    tokenizer = (src / "tokenizer.json").read_text()
+    (src / "tokenizer.json").write_text(tokenizer + " " * (2 * limit))
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    dst = tmp_path / "out" / "q"
+    out = subprocess.run([sys.executable, str(script), str(limit), str(src), str(dst)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("minite: error: [Errno 27] File too large") and "tokenizer" in last
+    assert "Traceback" not in out.stderr
+    assert list((tmp_path / "out").iterdir()) == []  # neither a checkpoint nor a partial folder
 
 
 def test_quantize_model_keeps_the_shards_and_rewrites_the_index(tiny_dense_dir, tmp_path):
@@ -97,6 +149,9 @@ def test_config_recipe_from_checkpoint_env_and_default(tmp_path, monkeypatch):
     assert MiniteConfig().recipe == keep
     with pytest.raises(RecipeMismatchError, match=RECIPE_ENV):
         MiniteConfig.from_config(quantization_config(DEFAULT_RECIPE))
+    (tmp_path / "recipe.json").write_text(json.dumps([keep.to_dict()]))
+    with pytest.raises(ValueError, match=rf"{RECIPE_ENV}: .*recipe\.json holds a JSON list"):
+        MiniteConfig()
 
 
 def test_config_claims_minite_checkpoints_only():
