@@ -19,18 +19,21 @@ _registered = False
 
 
 def register() -> None:
-    """Register the ``minite`` quantization config and the strict-mode ops (which stay vLLM's
-    own unless a strict recipe runs) with vLLM (idempotent)."""
+    """Register the ``minite`` quantization config, the strict-mode ops (which stay vLLM's own
+    unless a strict recipe runs) and the loader that checks every weight was loaded
+    (:mod:`minite_vllm.loader`) with vLLM (idempotent)."""
     global _registered
     if _registered:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import MiniteConfig
+    from .loader import register_loader
     from .strict import register_strict_ops
 
     register_quantization_config(MiniteConfig.get_name())(MiniteConfig)
     register_strict_ops()
+    register_loader()
     _registered = True
 
 
