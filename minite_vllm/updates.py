@@ -65,6 +65,7 @@ class _StagedUpdate:
         self.model = model
         self.nvfp4_input = nvfp4_input
         self.name = ""
+        self.target = ""  # the parameter the last loader call was for, and its shape
         self.resolved: set[str] = set()
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.parts: list[tuple[torch.nn.Module, NVFP4LayerMixin, Part, NVFP4Tensor]] = []
@@ -81,7 +82,10 @@ class _StagedUpdate:
                     self.model.load_weights([(name, tensor)])
                 except Exception as e:
                     given = f"{tensor.dtype} {list(tensor.shape)}"
-                    reason = str(e) or f"{type(e).__name__} in vLLM's weight loader"
+                    reason = str(e) or (
+                        f"vLLM's loader refused it ({type(e).__name__}) for this rank's "
+                        f"parameter {self.target}: the shape does not fit"
+                    )
                     raise ValueError(f"weight update: {name} ({given}): {reason}") from e
                 if name not in self.resolved:
                     raise ValueError(f"weight update: {name} is not a weight of this model")
@@ -99,14 +103,16 @@ class _StagedUpdate:
         installed: list[tuple[torch.Tensor, Callable[..., Any] | None]] = []
         standins: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         seen: set[int] = set()
-        for module in self.model.modules():
+        for prefix, module in self.model.named_modules():
             method = getattr(module, "quant_method", None)
             for param_name, live in list(module._parameters.items()):
                 if live is None or id(live) in seen:
                     continue
                 seen.add(id(live))
                 original = getattr(live, "weight_loader", None)
-                stager = self._stager(module, param_name, live, original or default_weight_loader)
+                stager = self._stager(
+                    module, param_name, live, original or default_weight_loader, prefix
+                )
                 if (
                     not self.nvfp4_input
                     and isinstance(method, NVFP4LayerMixin)
@@ -137,11 +143,14 @@ class _StagedUpdate:
         param_name: str,
         live: torch.Tensor,
         original: Callable[..., Any],
+        prefix: str,
     ) -> Callable[..., Any]:
+        """The loader that stages what vLLM loads into ``{prefix}.{param_name}`` (``live``)."""
         method = getattr(module, "quant_method", None)
 
         def stage(*args: Any, **kwargs: Any) -> Any:
             self.resolved.add(self.name)
+            self.target = f"{prefix}.{param_name} {list(live.shape)}"
             if isinstance(method, NVFP4LayerMixin) and param_name != "bias":
                 self.layers[id(module)] = (module, method)
                 if self.nvfp4_input:
