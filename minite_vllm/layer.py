@@ -205,7 +205,7 @@ class NVFP4LayerMixin:
     # -- checkpoint and update tensors: checks while loading ---------------------------------
 
     def checked_loader(
-        self, layer: torch.nn.Module, param_name: str, loader: Callable[..., Any], nvfp4: bool
+        self, param_name: str, loader: Callable[..., Any], nvfp4: bool
     ) -> Callable[..., Any]:
         """Wrap vLLM's ``loader`` of parameter ``param_name``: before it runs, refuse a tensor
         that is not exactly the HF weight's (for ``nvfp4`` checkpoint tensors:

@@ -91,7 +91,7 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         )
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
-        weight.weight_loader = self.checked_loader(layer, "weight", self.loader, nvfp4=False)
+        weight.weight_loader = self.checked_loader("weight", self.loader, nvfp4=False)
         initialize_online_processing(layer)
 
     def _register_quantized(self, layer: torch.nn.Module, device: torch.device | None) -> None:
@@ -117,9 +117,7 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         )
         for name in SUFFIXES:
             set_weight_attrs(getattr(layer, name), self.weight_attrs)
-            getattr(layer, name).weight_loader = self.checked_loader(
-                layer, name, self.loader, nvfp4=True
-            )
+            getattr(layer, name).weight_loader = self.checked_loader(name, self.loader, nvfp4=True)
 
     def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
         shard = arguments.get("loaded_shard_id")

@@ -113,7 +113,7 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             )
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
-            param.weight_loader = self.checked_loader(layer, name, layer.weight_loader, nvfp4=False)
+            param.weight_loader = self.checked_loader(name, layer.weight_loader, nvfp4=False)
         initialize_online_processing(layer)
 
     def _register_quantized(self, layer: RoutedExperts, device: torch.device | None) -> None:
@@ -137,7 +137,7 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             set_weight_attrs(param, self.weight_attrs)
             if scale_kind is not None:
                 param.quant_method = scale_kind
-            param.weight_loader = self.checked_loader(layer, name, layer.weight_loader, nvfp4=True)
+            param.weight_loader = self.checked_loader(name, layer.weight_loader, nvfp4=True)
 
     def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
         stem = "w2_" if param_name.startswith("w2_") else "w13_"
