@@ -152,11 +152,18 @@ class DebugConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> DebugConfig:
-        """Read a YAML (or JSON) file."""
+        """Read a YAML (or JSON) file; errors (bad YAML, a bad config) name it."""
         import yaml
 
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise DebugConfigError(f"{path}: not valid YAML ({e})") from None
+        try:
+            return cls.from_dict(data or {})
+        except DebugConfigError as e:
+            raise DebugConfigError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -66,6 +66,15 @@ def test_user_errors_print_one_line_and_exit_2(tiny_dense_dir, tmp_path):
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
         assert re.match(r"minite: error: " + pattern, out.stderr), out.stderr
+    for name, text, pattern in (
+        ("bad.yaml", "rules: [", r"bad\.yaml: not valid YAML"),
+        ("no.yaml", "rules:\n  - {layers: '*', disable_quantization: 'no'}\n",
+         r"no\.yaml: rule 0: disable_quantization must be true or false"),
+    ):  # fmt: skip
+        (tmp_path / name).write_text(text)
+        out = _minite("debug", "check", str(tmp_path / name))
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert re.match(r"minite: error: .*" + pattern, out.stderr), out.stderr
     out = _minite("quantize-model", str(tmp_path / "nowhere"), str(tmp_path / "q"))
     assert out.returncode == 2 and out.stderr.startswith("minite: error: [Errno 2]"), out.stderr
     assert not (tmp_path / "q").exists()
