@@ -16,21 +16,22 @@ SIGNAL_TEXT = "The quick brown fox jumps over the lazy dog. 12+34=46, 7+8=15."
 
 
 def quantizable_layers(model_dir: str | Path) -> list[str]:
-    """Bisection units of an HF Qwen3 / Qwen3-MoE model, in forward order, as regexes over HF
-    names: per decoder layer q/k/v together, o_proj, gate/up together, down_proj (dense) or all
-    experts (MoE). vLLM fuses each unit into one layer, so a unit switches as a whole."""
+    """Bisection units of an HF Qwen3 / Qwen3-MoE model, in forward order, as module-name
+    patterns (:func:`minite_common.recipe.check_module_pattern`): per decoder layer q/k/v
+    together, o_proj, gate/up together, down_proj (dense) or all experts (MoE). vLLM fuses each
+    unit into one layer, so a unit switches as a whole."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     experts = config.get("num_experts") or config.get("num_local_experts")
     sparse = set(range(config["num_hidden_layers"])) - set(config.get("mlp_only_layers", []))
     units = []
     for i in range(config["num_hidden_layers"]):
-        p = rf"model\.layers\.{i}"
-        units += [rf"{p}\.self_attn\.[qkv]_proj", rf"{p}\.self_attn\.o_proj"]
+        p = f"model.layers.{i}"
+        units += [f"{p}.self_attn.{{q,k,v}}_proj", f"{p}.self_attn.o_proj"]
         if experts and i in sparse:
-            units.append(rf"{p}\.mlp\.experts\.\d+\.(gate|up|down)_proj")
+            units.append(f"{p}.mlp.experts.*.{{gate,up,down}}_proj")
         else:
-            units += [rf"{p}\.mlp\.(gate|up)_proj", rf"{p}\.mlp\.down_proj"]
-    return [u for u in units if not DEFAULT_RECIPE.keeps_bf16(u.replace("\\", ""))]
+            units += [f"{p}.mlp.{{gate,up}}_proj", f"{p}.mlp.down_proj"]
+    return [u for u in units if not DEFAULT_RECIPE.keeps_bf16(u)]
 
 
 def sampler_layers(model_dir: str | Path) -> list[str]:

@@ -19,6 +19,7 @@ operands, another (free) accumulation order; ``HOPPER_CUBLAS_BACKWARD = False`` 
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -94,21 +95,24 @@ def nvfp4_wgrad(grad_out: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe) ->
 
 #: Hopper backward through cuBLAS on exact BF16 operands (``MINITE_HOPPER_BACKWARD=nvfp4``: off).
 HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lower() != "nvfp4"
-_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm(..., out_dtype=float32) runs here (probed once)
+
+
+@functools.cache
+def mm_out_dtype_supported(device_type: str) -> bool:
+    """Whether this torch build has a float32-output BF16 ``torch.mm`` (``aten::mm.dtype``)
+    kernel for ``device_type`` (``"cuda"``, ``"cpu"``): a registry look-up, nothing runs."""
+    key = torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", key)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` of BF16 matrices with a float32 result (cuBLAS accumulates in float32), into
-    ``out`` when given; falls back to a BF16 product cast up where ``out_dtype`` is missing."""
-    if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
-        try:
-            result = torch.mm(a, b, out_dtype=torch.float32, out=out)
-            _MM_OUT_DTYPE[:] = [True]
-            return result
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[:] = [False]
-    result = torch.mm(a, b).float()
-    return result if out is None else out.copy_(result)
+    """``a @ b`` of BF16 matrices with a float32 result and float32 accumulation, into ``out``
+    when given: ``torch.mm(..., out_dtype=float32)`` where the device has that kernel (see
+    :func:`mm_out_dtype_supported`), else a float32 GEMM of the operands cast up (the same exact
+    products, more memory). Never a BF16-rounded product; errors (OOM, shapes) propagate."""
+    if mm_out_dtype_supported(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def hopper_grad_operands(

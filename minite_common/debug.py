@@ -1,15 +1,16 @@
 """Precision debugging per layer, applied identically in the sampler and the learner.
 
-One :class:`DebugConfig` (YAML file or dict) selects layers by regular expressions over HF-style
-names and turns features on for them:
+One :class:`DebugConfig` (YAML file or dict) selects layers by module-name patterns (shell-style
+globs over whole HF-style names, see :func:`minite_common.recipe.check_module_pattern`) and turns
+features on for them:
 
 ```yaml
 output_dir: minite-debug        # JSON-lines stats go here, one file per engine process
 tensorboard: false              # also write TensorBoard scalars (needs the tensorboard package)
 rules:
-  - layers: 'model\\.layers\\.1\\.mlp\\.down_proj'
+  - layers: model.layers.1.mlp.down_proj
     disable_quantization: true  # run this GEMM in BF16 instead of NVFP4, in both engines
-  - layers: '.*self_attn\\.o_proj'
+  - layers: '*.self_attn.o_proj'
     log_tensor_stats:
       tensors: [activation, weight, output, gradient]
       freq: 10                  # every 10th call of the layer (the learner adds gradients)
@@ -28,7 +29,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,7 @@ import torch
 
 from .health import tensor_stats
 from .nvfp4 import quantize_nvfp4
-from .recipe import NVFP4Recipe
+from .recipe import NVFP4Recipe, check_module_pattern, module_pattern_matches
 
 ENV_VAR = "MINITE_DEBUG_CONFIG"
 TENSOR_KINDS = ("activation", "weight", "output", "gradient")
@@ -59,14 +59,14 @@ class StatsRule:
 
 @dataclass(frozen=True)
 class DebugRule:
-    """One rule: a layer-name regex and the features it turns on."""
+    """One rule: a module-name pattern and the features it turns on."""
 
     layers: str
     disable_quantization: bool = False
     log_tensor_stats: StatsRule | None = None
 
     def matches(self, name: str) -> bool:
-        return re.fullmatch(self.layers, name) is not None
+        return module_pattern_matches(self.layers, name)
 
 
 @dataclass(frozen=True)
@@ -79,66 +79,98 @@ class DebugConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DebugConfig:
-        """Parse and validate; unknown keys or features raise :class:`DebugConfigError`."""
+        """Parse and validate; unknown keys or features, patterns that are not module-name
+        globs and values of the wrong type raise :class:`DebugConfigError`."""
+        if not isinstance(d, Mapping):
+            raise DebugConfigError(
+                f"a debug config is a mapping with keys rules, output_dir, tensorboard; got "
+                f"{type(d).__name__} {d!r}"
+            )
         unknown = set(d) - {"rules", "output_dir", "tensorboard"}
         if unknown:
             raise DebugConfigError(f"unknown debug config keys {sorted(unknown)}")
+        raw_rules = d.get("rules", [])
+        if not isinstance(raw_rules, list):
+            raise DebugConfigError(
+                f"rules: expected a list of rules (each a mapping with 'layers'), got "
+                f"{type(raw_rules).__name__} {raw_rules!r}"
+            )
         rules = []
-        for i, r in enumerate(d.get("rules", [])):
+        for i, r in enumerate(raw_rules):
+            if not isinstance(r, Mapping):
+                raise DebugConfigError(
+                    f"rule {i}: expected a mapping with 'layers' and features, got {r!r}"
+                )
             if "layers" not in r:
-                raise DebugConfigError(f"rule {i} has no 'layers' regular expression")
+                raise DebugConfigError(f"rule {i} has no 'layers' module-name pattern")
             bad = set(r) - {"layers", *_FEATURES}
             if bad:
                 raise DebugConfigError(
                     f"rule {i}: unknown feature(s) {sorted(bad)}; known: {list(_FEATURES)}"
                 )
             try:
-                re.compile(r["layers"])
-            except re.error as e:
-                raise DebugConfigError(f"rule {i}: bad regex {r['layers']!r}: {e}") from e
+                check_module_pattern(r["layers"], f"rule {i}: layers")
+            except ValueError as e:
+                raise DebugConfigError(str(e)) from None
             stats = r.get("log_tensor_stats")
             if stats is not None:
                 stats = dict(stats) if isinstance(stats, Mapping) else {}
-                tensors = tuple(stats.pop("tensors", TENSOR_KINDS))
-                freq = int(stats.pop("freq", 1))
-                if stats or not set(tensors) <= set(TENSOR_KINDS) or freq < 1:
+                tensors = stats.pop("tensors", TENSOR_KINDS)
+                freq = stats.pop("freq", 1)
+                if (
+                    stats
+                    or not isinstance(tensors, list | tuple)
+                    or not set(tensors) <= set(TENSOR_KINDS)
+                    or not isinstance(freq, int)
+                    or isinstance(freq, bool)
+                    or freq < 1
+                ):
                     raise DebugConfigError(
-                        f"rule {i}: log_tensor_stats takes tensors (from {list(TENSOR_KINDS)}) "
-                        f"and freq >= 1; got {r['log_tensor_stats']!r}"
+                        f"rule {i}: log_tensor_stats takes tensors (a list from "
+                        f"{list(TENSOR_KINDS)}) and freq (an integer >= 1); got "
+                        f"{r['log_tensor_stats']!r}"
                     )
-                stats = StatsRule(tensors=tensors, freq=freq)
+                stats = StatsRule(tensors=tuple(tensors), freq=freq)
             rules.append(
                 DebugRule(
                     layers=r["layers"],
-                    disable_quantization=bool(r.get("disable_quantization", False)),
+                    disable_quantization=_flag(r, "disable_quantization", f"rule {i}"),
                     log_tensor_stats=stats,
                 )
             )
         return cls(
             rules=tuple(rules),
             output_dir=str(d.get("output_dir", "minite-debug")),
-            tensorboard=bool(d.get("tensorboard", False)),
+            tensorboard=_flag(d, "tensorboard", "debug config"),
         )
 
     @classmethod
     def disabling(cls, patterns: Iterable[str], **kwargs: Any) -> DebugConfig:
-        """A configuration that runs the layers matching ``patterns`` (regexes) in BF16."""
+        """A configuration that runs the layers matching ``patterns`` (module-name globs) in
+        BF16."""
         return cls(rules=tuple(DebugRule(p, disable_quantization=True) for p in patterns), **kwargs)
 
     @classmethod
     def load(cls, path: str | Path) -> DebugConfig:
-        """Read a YAML (or JSON) file."""
+        """Read a YAML (or JSON) file; errors (bad YAML, a bad config) name it."""
         import yaml
 
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise DebugConfigError(f"{path}: not valid YAML ({e})") from None
+        try:
+            return cls.from_dict(data or {})
+        except DebugConfigError as e:
+            raise DebugConfigError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def apply_to_recipe(self, recipe: NVFP4Recipe) -> NVFP4Recipe:
-        """The recipe with every ``disable_quantization`` pattern kept in BF16 (anchored)."""
-        extra = tuple(f"^(?:{r.layers})$" for r in self.rules if r.disable_quantization)
+        """The recipe with every ``disable_quantization`` pattern kept in BF16."""
+        extra = tuple(r.layers for r in self.rules if r.disable_quantization)
         if not extra:
             return recipe
         return dataclasses.replace(recipe, bf16_modules=recipe.bf16_modules + extra)
@@ -159,6 +191,16 @@ class DebugConfig:
                     f"rule {i} ({r.layers!r}) matches no layer of the {engine}; its layers are "
                     f"named like {names[:3]}"
                 )
+
+
+def _flag(d: Mapping[str, Any], key: str, where: str) -> bool:
+    """``d[key]`` (False when absent), which must be a real boolean: ``"no"`` is not False."""
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise DebugConfigError(
+            f"{where}: {key} must be true or false (a YAML boolean), got {value!r}"
+        )
+    return value
 
 
 def check_same_layers(a: Iterable[str], b: Iterable[str], config: DebugConfig) -> None:

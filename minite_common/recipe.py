@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import json
@@ -16,11 +17,17 @@ CONTRACT_VERSION = 2
 
 #: HF-style module names that stay in BF16 by default: embeddings, LM head and MoE routers.
 DEFAULT_BF16_MODULES: tuple[str, ...] = (
-    r"(^|\.)embed_tokens$",
-    r"(^|\.)lm_head$",
-    r"\.mlp\.gate$",
-    r"\.mlp\.shared_expert_gate$",
+    "{,*.}embed_tokens",
+    "{,*.}lm_head",
+    "*.mlp.gate",
+    "*.mlp.shared_expert_gate",
 )
+
+#: Bounds of one module-name pattern (characters, and names it expands to through braces).
+MAX_PATTERN_LENGTH = 256
+MAX_PATTERN_ALTERNATIVES = 64
+_REGEX_ONLY = set("\\()^$|+")
+_BRACES = re.compile(r"\{([^{}]*)\}")
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -35,9 +42,9 @@ class NVFP4Recipe:
 
     The forward fields (block size, 2D weight blocks, activation amax) fix the bits that both
     engines compute; the learner-only fields (stochastic rounding, RHT) shape gradients only.
-    ``bf16_modules`` are regular expressions over HF-style module names
-    (``model.layers.0.mlp.gate``) whose layers stay in high precision, as do the first
-    ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers. ``strict_ops``
+    ``bf16_modules`` are module-name patterns (see :func:`check_module_pattern`) over HF-style
+    module names (``model.layers.0.mlp.gate``) whose layers stay in high precision, as do the
+    first ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers. ``strict_ops``
     (strict mode, off by default) makes both engines run the ops between the linears and the
     BF16 GEMMs through :mod:`minite_common.ops` too, so their log-probs agree bitwise on CPU.
     """
@@ -62,9 +69,14 @@ class NVFP4Recipe:
             )
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
             raise ValueError("bf16_first_layers and bf16_last_layers must be >= 0")
+        if isinstance(self.bf16_modules, str):
+            raise ValueError(
+                f"bf16_modules must be a list of module-name patterns, got the string "
+                f"{self.bf16_modules!r}; write [{self.bf16_modules!r}]"
+            )
         object.__setattr__(self, "bf16_modules", tuple(self.bf16_modules))
         for pattern in self.bf16_modules:
-            re.compile(pattern)
+            check_module_pattern(pattern, "NVFP4Recipe.bf16_modules")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (``strict_ops`` only when on) plus the contract
@@ -101,7 +113,7 @@ class NVFP4Recipe:
 
     def keeps_bf16(self, name: str, num_layers: int | None = None) -> bool:
         """Whether the module with HF-style ``name`` stays in high precision under this recipe."""
-        if any(re.search(p, name) for p in self.bf16_modules):
+        if any(module_pattern_matches(p, name) for p in self.bf16_modules):
             return True
         match = _LAYER_INDEX.search(name)
         if match is None:
@@ -117,6 +129,72 @@ class NVFP4Recipe:
                 )
             return index >= num_layers - self.bf16_last_layers
         return False
+
+
+def check_module_pattern(pattern: Any, where: str) -> None:
+    """Raise naming ``where`` unless ``pattern`` is a valid module-name pattern.
+
+    A pattern is a shell-style glob matched against the *whole* HF module name, case-sensitively:
+    ``*`` matches any run of characters (dots included), ``?`` one character, ``[abc]`` /
+    ``[!abc]`` one character of / not of a set, ``{a,b}`` one of the comma-separated
+    alternatives; every other character, ``.`` included, is literal. So ``*.mlp.gate`` keeps
+    every MoE router, ``{,*.}lm_head`` the LM head at the top or inside a wrapper, and
+    ``model.layers.1.self_attn.{q,k,v}_proj`` one attention projection. Regular-expression
+    syntax (a backslash, ``( ) ^ $ | +``) is refused rather than read as literal text. A pattern
+    holds at most :data:`MAX_PATTERN_LENGTH` characters and expands to at most
+    :data:`MAX_PATTERN_ALTERNATIVES` globs, each matched without backtracking between its stars,
+    so matching a name costs at most (name length x pattern length) steps per glob.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(
+            f"{where}: a module-name pattern must be a non-empty string, got {pattern!r}"
+        )
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise ValueError(
+            f"{where}: pattern {pattern[:40]!r}... has {len(pattern)} characters, more than "
+            f"{MAX_PATTERN_LENGTH}; split it into several patterns"
+        )
+    regex_only = "".join(sorted(_REGEX_ONLY & set(pattern)))
+    if regex_only:
+        raise ValueError(
+            f"{where}: pattern {pattern!r} uses regular-expression syntax ({regex_only}); module "
+            "patterns are shell-style globs over the whole name (e.g. '*.mlp.gate', "
+            "'model.layers.{0,1}.*'): rewrite it as one (re-quantize a checkpoint whose recipe "
+            "holds regular expressions)"
+        )
+    try:
+        _module_globs(pattern)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def module_pattern_matches(pattern: str, name: str) -> bool:
+    """Whether module-name ``pattern`` (see :func:`check_module_pattern`) matches all of
+    ``name``."""
+    return any(glob.match(name) is not None for glob in _module_globs(pattern))
+
+
+@functools.lru_cache(maxsize=1024)
+def _module_globs(pattern: str) -> tuple[re.Pattern[str], ...]:
+    """``pattern`` with its braces expanded, each alternative compiled (fnmatch turns every
+    ``*`` into an atomic group, so a match never backtracks across stars)."""
+    todo, globs = [pattern], []
+    while todo:
+        glob = todo.pop()
+        brace = _BRACES.search(glob)
+        if brace is None:
+            if "{" in glob or "}" in glob:
+                raise ValueError(f"pattern {pattern!r} has unbalanced braces")
+            globs.append(glob)
+            continue
+        head, tail = glob[: brace.start()], glob[brace.end() :]
+        todo += [head + option + tail for option in brace.group(1).split(",")]
+        if len(todo) + len(globs) > MAX_PATTERN_ALTERNATIVES:
+            raise ValueError(
+                f"pattern {pattern!r} expands to more than {MAX_PATTERN_ALTERNATIVES} "
+                "alternatives; split it into several patterns"
+            )
+    return tuple(re.compile(fnmatch.translate(g)) for g in globs)
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,8 +28,9 @@ def _request_cpu_amx() -> None:
 
 
 def register() -> None:
-    """Register the ``minite`` quantization config and the strict-mode ops (which stay vLLM's
-    own unless a strict recipe runs) with vLLM (idempotent). Runs in every vLLM process."""
+    """Register the ``minite`` quantization config, the strict-mode ops (which stay vLLM's own
+    unless a strict recipe runs) and the loader that checks every weight was loaded
+    (:mod:`minite_vllm.loader`) with vLLM (idempotent). Runs in every vLLM process."""
     global _registered
     if _registered:
         return
@@ -37,10 +38,12 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import MiniteConfig
+    from .loader import register_loader
     from .strict import register_strict_ops
 
     register_quantization_config(MiniteConfig.get_name())(MiniteConfig)
     register_strict_ops()
+    register_loader()
     _registered = True
 
 

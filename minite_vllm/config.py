@@ -10,10 +10,8 @@ Two modes, chosen by the checkpoint:
 
 from __future__ import annotations
 
-import json
 import os
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +26,11 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe, check_fingerprints
-from minite_common.checkpoint import QUANT_METHOD, recipe_from_quantization_config
+from minite_common.checkpoint import (
+    QUANT_METHOD,
+    recipe_from_file,
+    recipe_from_quantization_config,
+)
 from minite_common.debug import debug_recipe, linear_hook
 
 #: Environment variable naming a JSON file with the recipe for online quantization: either
@@ -39,12 +41,7 @@ RECIPE_ENV = "MINITE_RECIPE"
 def recipe_from_env() -> NVFP4Recipe | None:
     """The recipe in the file named by ``MINITE_RECIPE``, or None when the variable is unset."""
     path = os.environ.get(RECIPE_ENV)
-    if not path:
-        return None
-    data = json.loads(Path(path).read_text())
-    if data.get("quant_method") == QUANT_METHOD:
-        return recipe_from_quantization_config(data)
-    return NVFP4Recipe.from_dict(data)
+    return recipe_from_file(path, RECIPE_ENV) if path else None
 
 
 def hf_module_names(prefix: str, packed_modules_mapping: dict[str, list[str]]) -> list[str]:

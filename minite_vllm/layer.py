@@ -12,13 +12,16 @@ as :func:`minite_common.quantize_weight` makes it from that HF tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minite_common import NVFP4Recipe, NVFP4Tensor, cat_rows, quantize_weight
+from minite_common.checkpoint import check_nvfp4_state_tensor
 from minite_common.nvfp4 import BLOCK
 
 #: Checkpoint tensor suffixes of one quantized HF weight, in minite_common.checkpoint's order.
@@ -31,7 +34,8 @@ class Part:
     """One HF weight inside a quantized vLLM layer (this rank's shard of it).
 
     It holds rows ``row_start:row_start+rows`` of ``{stem}weight`` (of expert ``expert`` for MoE
-    layers) and its global decode scale at ``{stem}weight_scale_2[scale_index]``.
+    layers) and its global decode scale at ``{stem}weight_scale_2[scale_index]``; ``hf_shape`` is
+    the whole HF tensor's [N, K] (all ranks together), the shape a checkpoint or update holds.
     """
 
     hf_name: str
@@ -40,6 +44,7 @@ class Part:
     row_start: int
     rows: int
     scale_index: tuple[int, ...]
+    hf_shape: tuple[int, int]
 
 
 def _rows(t: torch.Tensor, part: Part) -> torch.Tensor:
@@ -98,8 +103,9 @@ class NVFP4LayerMixin:
     out_dtype: torch.dtype
     loaded: set[tuple[Part, str]]
 
-    def parts_for_load(self, param_name: str, args: tuple, kwargs: dict[str, Any]) -> list[Part]:
-        """The parts that one vLLM weight-loader call (``args``/``kwargs``) writes into."""
+    def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
+        """The parts that one vLLM weight-loader call writes into (``arguments``: the call's
+        arguments by name, from :func:`loader_arguments`)."""
         raise NotImplementedError
 
     def bf16_scratch(
@@ -112,6 +118,14 @@ class NVFP4LayerMixin:
     def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """MAX-reduce a vector of per-shard amaxes over the ranks that shard this layer."""
         raise NotImplementedError
+
+    def bf16_standin(self, layer: torch.nn.Module, param_name: str) -> torch.nn.Parameter:
+        """An empty high-precision ``param_name`` (this rank's shape) on the meta device, which
+        vLLM's loader sees in place of the codes during a high-precision update."""
+        scratch, _ = self.bf16_scratch(layer, param_name, self.out_dtype, torch.device("meta"))
+        if isinstance(scratch, torch.nn.Parameter):
+            return scratch
+        return torch.nn.Parameter(scratch, requires_grad=False)
 
     def load_shards(
         self,
@@ -128,11 +142,8 @@ class NVFP4LayerMixin:
         result = loader(*args, **kwargs)
         if result is False:  # an MoE expert that lives on another rank
             return result, []
-        shards = [
-            (p, _rows(scratch.data, p).clone())
-            for p in self.parts_for_load(param_name, args, kwargs)
-        ]
-        return result, shards
+        parts = self.parts_for_load(param_name, loader_arguments(loader, args, kwargs))
+        return result, [(p, _rows(scratch.data, p).clone()) for p in parts]
 
     # -- reading and writing parts -------------------------------------------------------------
 
@@ -191,46 +202,28 @@ class NVFP4LayerMixin:
             recipe_fingerprint=self.recipe.fingerprint(),
         )
 
-    def check_values(self, layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise naming the HF tensor if a block scale is NaN or a global scale is not positive.
-
-        ``tensors`` maps checkpoint-format parameter names to the values to check (the layer's
-        own tensors, or staged copies of them).
-        """
-        for part in self.parts:
-            scales = _rows(tensors[f"{part.stem}weight_scale"], part)
-            if bool(torch.isnan(scales.float()).any()):
-                raise ValueError(
-                    f"{part.hf_name}.weight_scale: holds NaN block scales; re-create the "
-                    "checkpoint with `minite quantize-model SRC DST`"
-                )
-            decode = float(tensors[f"{part.stem}weight_scale_2"][part.scale_index])
-            if not decode > 0 or decode == float("inf"):
-                raise ValueError(
-                    f"{part.hf_name}.weight_scale_2: global decode scale {decode} is not a "
-                    "positive finite number; re-create the checkpoint with `minite quantize-model`"
-                )
-
-    # -- pre-quantized checkpoints: dtype and completeness checks while loading ----------------
+    # -- checkpoint and update tensors: checks while loading ---------------------------------
 
     def checked_loader(
-        self, layer: torch.nn.Module, param_name: str, loader: Callable[..., Any]
+        self, param_name: str, loader: Callable[..., Any], nvfp4: bool
     ) -> Callable[..., Any]:
-        """Wrap vLLM's ``loader`` of checkpoint tensor ``param_name``: refuse a tensor of the
-        wrong dtype, naming it, and record which parts arrived (see :meth:`check_complete`)."""
-        expected = getattr(layer, param_name).dtype
+        """Wrap vLLM's ``loader`` of parameter ``param_name``: before it runs, refuse a tensor
+        that is not exactly the HF weight's (for ``nvfp4`` checkpoint tensors:
+        :func:`~minite_common.checkpoint.check_nvfp4_state_tensor`; else a high-precision
+        weight of the HF shape), naming it; record which parts arrived (see
+        :meth:`check_complete`)."""
         suffix = next(s for s in reversed(SUFFIXES) if param_name.endswith(s))
 
+        @functools.wraps(loader)  # keeps its signature: vLLM binds loader arguments by name
         def load(*args: Any, **kwargs: Any) -> Any:
-            loaded = kwargs["loaded_weight"] if "loaded_weight" in kwargs else args[1]
-            parts = self.parts_for_load(param_name, args, kwargs)
-            if loaded.dtype != expected:
-                names = ", ".join(f"{p.hf_name}.{suffix}" for p in parts)
-                raise ValueError(
-                    f"{names}: a miniTE checkpoint stores this tensor as {expected}, found "
-                    f"{loaded.dtype}; write the checkpoint with `minite quantize-model SRC DST` "
-                    "(a BF16 checkpoint without quantization_config is quantized online)"
-                )
+            arguments = loader_arguments(loader, args, kwargs)
+            loaded = arguments["loaded_weight"]
+            parts = self.parts_for_load(param_name, arguments)
+            for part in parts:
+                if nvfp4:
+                    check_nvfp4_state_tensor(part.hf_name, suffix, loaded, part.hf_shape)
+                else:
+                    check_hf_weight(part, loaded)
             result = loader(*args, **kwargs)
             if result is not False:
                 self.loaded.update((p, suffix) for p in parts)
@@ -238,21 +231,50 @@ class NVFP4LayerMixin:
 
         return load
 
-    def check_complete(self, prefix: str) -> None:
-        """Raise naming every checkpoint tensor of this layer that was not loaded; then reset."""
-        missing = [
-            f"{p.hf_name}.{s}" for p in self.parts for s in SUFFIXES if (p, s) not in self.loaded
+    def check_complete(self, where: str, suffixes: tuple[str, ...], touched_only: bool) -> None:
+        """Raise naming every tensor ``{hf}.{suffix}`` of this layer's parts that did not arrive
+        through :meth:`checked_loader` (with ``touched_only``, of the parts that received any);
+        then forget what arrived."""
+        parts = [
+            p
+            for p in self.parts
+            if not touched_only or any((p, s) in self.loaded for s in SUFFIXES)
         ]
+        missing = [f"{p.hf_name}.{s}" for p in parts for s in suffixes if (p, s) not in self.loaded]
         self.loaded = set()
-        if missing:
-            shown = ", ".join(missing[:6]) + (
-                f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-            )
+        if not missing:
+            return
+        shown = ", ".join(missing[:6]) + (
+            f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        )
+        if suffixes == ("weight",):
             raise ValueError(
-                f"{prefix}: the miniTE checkpoint lacks {shown}; every quantized weight needs "
-                "its .weight, .weight_scale and .weight_scale_2. Re-create the checkpoint with "
-                "`minite quantize-model SRC DST`"
+                f"{where}: the checkpoint lacks {shown}; every weight of the model must be in "
+                "it (check the checkpoint's files and its model.safetensors.index.json)"
             )
+        raise ValueError(
+            f"{where}: lacks {shown}; every quantized weight needs its .weight, .weight_scale "
+            "and .weight_scale_2 (`minite quantize-model SRC DST` writes all three, and so does "
+            "nvfp4_to_state for an update)"
+        )
+
+
+def check_hf_weight(part: Part, tensor: torch.Tensor) -> None:
+    """Raise naming ``{hf}.weight`` unless ``tensor`` is a floating-point weight of the whole HF
+    tensor's shape (every rank receives it whole and keeps its own rows/columns)."""
+    if not tensor.is_floating_point() or tuple(tensor.shape) != part.hf_shape:
+        raise ValueError(
+            f"{part.hf_name}.weight: expected a BF16/FP16/FP32 tensor {list(part.hf_shape)} (the "
+            f"whole HF weight), found {tensor.dtype} {list(tensor.shape)}"
+        )
+
+
+def loader_arguments(
+    loader: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+) -> Mapping[str, Any]:
+    """A vLLM weight-loader call's arguments by name (``param``, ``loaded_weight``, and
+    ``loaded_shard_id`` or ``shard_id``/``expert_id`` where given)."""
+    return inspect.signature(loader).bind(*args, **kwargs).arguments
 
 
 def swap_param(args: tuple, kwargs: dict[str, Any], param: torch.Tensor) -> tuple[tuple, dict]:

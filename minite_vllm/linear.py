@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
+    QKVParallelLinear,
     RowParallelLinear,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
@@ -67,10 +69,11 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         for name, rows in zip(self.hf_names, output_partition_sizes, strict=True):
             check_divisible([name], "the output size per rank", rows, _FIX)
         starts = [0, *itertools.accumulate(output_partition_sizes)]
+        hf_rows = _hf_rows(layer, output_size)
         self.parts = [
-            Part(name, "", None, start, rows, (i,))
-            for i, (name, start, rows) in enumerate(
-                zip(self.hf_names, starts[:-1], output_partition_sizes, strict=True)
+            Part(name, "", None, start, rows, (i,), (n, input_size))
+            for i, (name, start, rows, n) in enumerate(
+                zip(self.hf_names, starts[:-1], output_partition_sizes, hf_rows, strict=True)
             )
         ]
         self.rows, self.cols = starts[-1], input_size_per_partition
@@ -88,10 +91,11 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         )
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
+        weight.weight_loader = self.checked_loader("weight", self.loader, nvfp4=False)
         initialize_online_processing(layer)
 
     def _register_quantized(self, layer: torch.nn.Module, device: torch.device | None) -> None:
-        """Register the checkpoint-format NVFP4 tensors (with dtype-checking loaders)."""
+        """Register the checkpoint-format NVFP4 tensors (with checking loaders)."""
         shapes = {
             "weight": ((self.rows, self.cols // 2), torch.uint8),
             "weight_scale": ((self.rows, self.cols // 16), torch.float8_e4m3fn),
@@ -113,10 +117,10 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         )
         for name in SUFFIXES:
             set_weight_attrs(getattr(layer, name), self.weight_attrs)
-            getattr(layer, name).weight_loader = self.checked_loader(layer, name, self.loader)
+            getattr(layer, name).weight_loader = self.checked_loader(name, self.loader, nvfp4=True)
 
-    def parts_for_load(self, param_name: str, args: tuple, kwargs: dict[str, Any]) -> list[Part]:
-        shard = args[2] if len(args) > 2 else kwargs.get("loaded_shard_id")
+    def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
+        shard = arguments.get("loaded_shard_id")
         if shard is None:
             return list(self.parts)
         indices = shard if isinstance(shard, tuple) else (shard,)
@@ -142,9 +146,9 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
         if self.prequantized:
-            self.check_complete(layer.prefix)
-            self.check_values(layer, {name: getattr(layer, name).data for name in SUFFIXES})
+            self.check_complete(layer.prefix, SUFFIXES, touched_only=False)
         else:
+            self.check_complete(layer.prefix, ("weight",), touched_only=False)
             weight = layer.weight.data
             shards = [(p, weight.narrow(0, p.row_start, p.rows)) for p in self.parts]
             quantized = quantize_shards(shards, self.recipe, self.reduce_amax)
@@ -165,6 +169,18 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
                 amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
             )
         return w4a4_linear(x, self.gemm_weight(layer, ""), bias, recipe=self.recipe, row_amax=amax)
+
+
+def _hf_rows(layer: torch.nn.Module, output_size: int) -> list[int]:
+    """The row counts of the whole HF weights that make up ``layer`` (all ranks together)."""
+    if isinstance(layer, QKVParallelLinear):
+        kv = layer.total_num_kv_heads
+        return [
+            layer.total_num_heads * layer.head_size,
+            kv * layer.head_size,
+            kv * layer.v_head_size,
+        ]
+    return list(getattr(layer, "output_sizes", [output_size]))
 
 
 class MiniteBF16LinearMethod(UnquantizedLinearMethod):

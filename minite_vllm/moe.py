@@ -9,6 +9,7 @@ in FP32 in slot order 0..k-1, then rounded once: no step depends on the other to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ from minite_common import expert_counts, grouped_w4a4_linear, row_amax
 from minite_common.grouped import expert_swiglu
 from minite_common.ops import moe_combine
 
-from .layer import NVFP4LayerMixin, Part, check_divisible, quantize_shards
+from .layer import SUFFIXES, NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
 if TYPE_CHECKING:
     from .config import MiniteConfig
@@ -91,13 +92,14 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.out_dtype = params_dtype
         self.weight_attrs = extra_weight_attrs
+        full_inter = inter * self.moe.moe_parallel_config.tp_size
         gate_up = [
-            Part(name, "w13_", e, start, inter, (e, i))
+            Part(name, "w13_", e, start, inter, (e, i), (full_inter, hidden))
             for e, experts in enumerate(self.hf_experts[:num_experts])
             for i, (name, start) in enumerate(zip(experts[:2], (0, inter), strict=True))
         ]
         down = [
-            Part(experts[2], "w2_", e, 0, hidden, (e,))
+            Part(experts[2], "w2_", e, 0, hidden, (e,), (hidden, full_inter))
             for e, experts in enumerate(self.hf_experts[:num_experts])
         ]
         self.parts = gate_up + down
@@ -111,10 +113,11 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             )
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
+            param.weight_loader = self.checked_loader(name, layer.weight_loader, nvfp4=False)
         initialize_online_processing(layer)
 
     def _register_quantized(self, layer: RoutedExperts, device: torch.device | None) -> None:
-        """Register the checkpoint-format NVFP4 tensors (with dtype-checking loaders)."""
+        """Register the checkpoint-format NVFP4 tensors (with checking loaders)."""
         e, hidden, inter = self.num_experts, self.hidden, self.inter
         group = FusedMoeWeightScaleSupported.GROUP.value
         tensor = FusedMoeWeightScaleSupported.TENSOR.value
@@ -134,11 +137,11 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             set_weight_attrs(param, self.weight_attrs)
             if scale_kind is not None:
                 param.quant_method = scale_kind
-            param.weight_loader = self.checked_loader(layer, name, layer.weight_loader)
+            param.weight_loader = self.checked_loader(name, layer.weight_loader, nvfp4=True)
 
-    def parts_for_load(self, param_name: str, args: tuple, kwargs: dict[str, Any]) -> list[Part]:
+    def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
         stem = "w2_" if param_name.startswith("w2_") else "w13_"
-        expert, shard = kwargs["expert_id"], kwargs["shard_id"]
+        expert, shard = arguments["expert_id"], arguments["shard_id"]
         index = 2 * expert + _SHARD_OF[shard] if stem == "w13_" else 2 * self.num_experts + expert
         return [self.parts[index]]
 
@@ -161,12 +164,10 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
-        names = [f"{stem}{s}" for stem in self.stems for s in ("weight", "weight_scale")]
         if self.prequantized:
-            self.check_complete(layer.layer_name)
-            names += [f"{stem}weight_scale_2" for stem in self.stems]
-            self.check_values(layer, {name: getattr(layer, name).data for name in names})
+            self.check_complete(layer.layer_name, SUFFIXES, touched_only=False)
         else:
+            self.check_complete(layer.layer_name, ("weight",), touched_only=False)
             weights = {stem: getattr(layer, f"{stem}weight").data for stem in self.stems}
             shards = [
                 (p, weights[p.stem][p.expert].narrow(0, p.row_start, p.rows)) for p in self.parts

@@ -11,7 +11,7 @@ leaves the previous weights serving.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,14 @@ from minite_common.checkpoint import nvfp4_to_state
 from minite_common.diagnostics import execution_record
 
 from .config import hf_expert_names, hf_module_names
-from .layer import SUFFIXES, NVFP4LayerMixin, Part, swap_param
+from .layer import (
+    SUFFIXES,
+    NVFP4LayerMixin,
+    Part,
+    check_hf_weight,
+    loader_arguments,
+    swap_param,
+)
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -58,13 +65,15 @@ class _StagedUpdate:
         self.model = model
         self.nvfp4_input = nvfp4_input
         self.name = ""
+        self.target = ""  # the parameter the last loader call was for, and its shape
         self.resolved: set[str] = set()
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.parts: list[tuple[torch.nn.Module, NVFP4LayerMixin, Part, NVFP4Tensor]] = []
         self.layers: dict[int, tuple[torch.nn.Module, NVFP4LayerMixin]] = {}
 
     def resolve(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Stage every weight, one name at a time; raise naming the first that does not fit."""
+        """Stage every weight, one name at a time; raise naming the first that does not fit,
+        then any NVFP4 weight that received only some of its checkpoint tensors."""
         restore = self._install_stagers()
         try:
             for name, tensor in weights:
@@ -73,29 +82,53 @@ class _StagedUpdate:
                     self.model.load_weights([(name, tensor)])
                 except Exception as e:
                     given = f"{tensor.dtype} {list(tensor.shape)}"
-                    raise ValueError(f"weight update: {name} ({given}): {e}") from e
+                    reason = str(e) or (
+                        f"vLLM's loader refused it ({type(e).__name__}) for this rank's "
+                        f"parameter {self.target}: the shape does not fit"
+                    )
+                    raise ValueError(f"weight update: {name} ({given}): {reason}") from e
                 if name not in self.resolved:
                     raise ValueError(f"weight update: {name} is not a weight of this model")
+            for _, method in self.layers.values():
+                method.check_complete("weight update", SUFFIXES, touched_only=True)
         finally:
             restore()
             for _, method in self.layers.values():
                 method.loaded.clear()
 
     def _install_stagers(self) -> Callable[[], None]:
+        """Point every parameter's loader at a stager. For a high-precision update, an NVFP4
+        layer's codes are stood in for by an empty BF16 parameter on the meta device, so that
+        vLLM's loader sees the dtype of the weight it loads (not uint8 codes)."""
         installed: list[tuple[torch.Tensor, Callable[..., Any] | None]] = []
+        standins: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         seen: set[int] = set()
-        for module in self.model.modules():
-            for param_name, live in module._parameters.items():
+        for prefix, module in self.model.named_modules():
+            method = getattr(module, "quant_method", None)
+            for param_name, live in list(module._parameters.items()):
                 if live is None or id(live) in seen:
                     continue
                 seen.add(id(live))
                 original = getattr(live, "weight_loader", None)
-                installed.append((live, original))
-                live.weight_loader = self._stager(
-                    module, param_name, live, original or default_weight_loader
+                stager = self._stager(
+                    module, param_name, live, original or default_weight_loader, prefix
                 )
+                if (
+                    not self.nvfp4_input
+                    and isinstance(method, NVFP4LayerMixin)
+                    and param_name in {f"{stem}weight" for stem in method.stems}
+                ):
+                    standin = method.bf16_standin(module, param_name)
+                    standin.weight_loader = stager
+                    module._parameters[param_name] = standin
+                    standins.append((module, param_name, live))
+                    continue
+                installed.append((live, original))
+                live.weight_loader = stager
 
         def restore() -> None:
+            for module, param_name, live in standins:
+                module._parameters[param_name] = live
             for live, original in installed:
                 if original is None:
                     del live.weight_loader
@@ -110,18 +143,24 @@ class _StagedUpdate:
         param_name: str,
         live: torch.Tensor,
         original: Callable[..., Any],
+        prefix: str,
     ) -> Callable[..., Any]:
+        """The loader that stages what vLLM loads into ``{prefix}.{param_name}`` (``live``)."""
         method = getattr(module, "quant_method", None)
 
         def stage(*args: Any, **kwargs: Any) -> Any:
             self.resolved.add(self.name)
+            self.target = f"{prefix}.{param_name} {list(live.shape)}"
             if isinstance(method, NVFP4LayerMixin) and param_name != "bias":
                 self.layers[id(module)] = (module, method)
                 if self.nvfp4_input:
                     if not any(param_name == f"{st}{s}" for st in method.stems for s in SUFFIXES):
                         raise ValueError(f"{param_name} is not a checkpoint tensor of NVFP4 layers")
                     return _load_into(self._copy_of(live), original, args, kwargs)
-                return self._stage_to_quantize(module, method, param_name, live, args, kwargs)
+                arguments = loader_arguments(original, args, kwargs)
+                return self._stage_to_quantize(
+                    module, method, param_name, live, arguments, args, kwargs
+                )
             if isinstance(method, FusedMoEMethodBase):
                 raise ValueError(
                     "the recipe keeps these routed experts in BF16, and vLLM repacks BF16 experts "
@@ -142,26 +181,29 @@ class _StagedUpdate:
         method: NVFP4LayerMixin,
         param_name: str,
         live: torch.Tensor,
+        arguments: Mapping[str, Any],
         args: tuple,
         kwargs: dict[str, Any],
     ) -> Any:
         """Narrow one HF weight to this rank with vLLM's loader and quantize it with the amax of
-        the whole tensor (every rank receives it whole, so no collective is needed)."""
+        the whole tensor (every rank receives it whole, so no collective is needed); refuse any
+        tensor but one whole HF weight."""
         if param_name not in {f"{stem}weight" for stem in method.stems}:
             raise ValueError(
                 "update_weights_bf16 takes high-precision weights; NVFP4 tensors (codes and "
                 "scales) go through update_weights_quantized"
             )
-        loaded = kwargs["loaded_weight"] if "loaded_weight" in kwargs else args[1]
-        if not loaded.is_floating_point():
-            raise ValueError(f"expected a BF16/FP16/FP32 weight, found {loaded.dtype}")
-        scratch, loader = method.bf16_scratch(layer, param_name, loaded.dtype, live.device)
-        result, shards = method.load_shards(layer, param_name, scratch, loader, args, kwargs)
-        if len(shards) > 1:
+        loaded = arguments["loaded_weight"]
+        parts = method.parts_for_load(param_name, arguments)
+        if len(parts) > 1:
             raise ValueError(
-                f"one tensor for {[p.hf_name for p, _ in shards]}: send each HF weight under its "
+                f"one tensor for {[p.hf_name for p in parts]}: send each HF weight under its "
                 "own name, since each is quantized with its own scale"
             )
+        for part in parts:
+            check_hf_weight(part, loaded)
+        scratch, loader = method.bf16_scratch(layer, param_name, loaded.dtype, live.device)
+        result, shards = method.load_shards(layer, param_name, scratch, loader, args, kwargs)
         amax = loaded.abs().amax().float()
         self.parts += [
             (layer, method, part, quantize_weight(shard, recipe=method.recipe,
@@ -169,16 +211,6 @@ class _StagedUpdate:
             for part, shard in shards
         ]  # fmt: skip
         return result
-
-    def check_nvfp4_values(self) -> None:
-        """Check the block and global scales that the staged copies would put in each layer."""
-        for layer, method in self.layers.values():
-            tensors = {}
-            for stem in method.stems:
-                for suffix in SUFFIXES[1:]:
-                    live = getattr(layer, f"{stem}{suffix}")
-                    tensors[f"{stem}{suffix}"] = self.copies.get(id(live), (live, live.data))[1]
-            method.check_values(layer, tensors)
 
     def commit(self) -> None:
         """Copy everything staged into the live tensors, then refresh what derives from them."""
@@ -243,7 +275,6 @@ def update_weights_quantized(
         check_fingerprints(layers[0][1].recipe.fingerprint(), recipe_fingerprint, "weight update")
     staged = _StagedUpdate(model, nvfp4_input=True)
     staged.resolve(_checked_list(weights))
-    staged.check_nvfp4_values()
     staged.commit()
 
 

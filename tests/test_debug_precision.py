@@ -25,25 +25,48 @@ from minite_common.debug import (
 )
 from minite_megatron.capture import execution_fingerprints, hf_linears, select_columns
 
-DISABLED = r"model\.layers\.1\.mlp\.down_proj"
-LOGGED = r"model\.layers\.0\.self_attn\.o_proj"
+DISABLED = "model.layers.1.mlp.down_proj"
+LOGGED = "model.layers.0.self_attn.o_proj"
 PROMPT_IDS = list(b"Debugging precision, one layer at a time: 3+4=7")
 
 
 def test_bad_configs_fail_clearly():
     with pytest.raises(DebugConfigError, match="unknown feature.*fake_quant"):
-        DebugConfig.from_dict({"rules": [{"layers": ".*", "fake_quant": True}]})
-    with pytest.raises(DebugConfigError, match="bad regex"):
+        DebugConfig.from_dict({"rules": [{"layers": "*", "fake_quant": True}]})
+    with pytest.raises(DebugConfigError, match=r"rule 0: layers: pattern 'model\.\(' uses regular"):
         DebugConfig.from_dict({"rules": [{"layers": "model.(", "disable_quantization": True}]})
-    with pytest.raises(DebugConfigError, match="freq >= 1"):
-        DebugConfig.from_dict({"rules": [{"layers": ".*", "log_tensor_stats": {"freq": 0}}]})
+    with pytest.raises(DebugConfigError, match="freq \\(an integer >= 1\\)"):
+        DebugConfig.from_dict({"rules": [{"layers": "*", "log_tensor_stats": {"freq": 0}}]})
     config = DebugConfig.from_dict(
-        {"rules": [{"layers": r".*\.q_proj", "disable_quantization": 1}]}
+        {"rules": [{"layers": "*.q_proj", "disable_quantization": True}]}
     )
     with pytest.raises(DebugConfigError, match="matches no layer of the learner"):
         config.check_layers(["model.layers.0.mlp.up_proj"], "learner")
     with pytest.raises(DebugConfigError, match="one engine only.*layers.3.self_attn.q_proj"):
         check_same_layers(["model.layers.3.self_attn.q_proj"], [], config)
+
+
+def test_config_values_of_the_wrong_type_are_refused():
+    rule = {"layers": DISABLED}
+    for value in ("no", "false", 1, None):
+        with pytest.raises(DebugConfigError, match="rule 0: disable_quantization must be true or"):
+            DebugConfig.from_dict({"rules": [{**rule, "disable_quantization": value}]})
+    with pytest.raises(DebugConfigError, match="tensorboard must be true or false.*'yes'"):
+        DebugConfig.from_dict({"tensorboard": "yes"})
+    with pytest.raises(DebugConfigError, match="rules: expected a list of rules.*int 5"):
+        DebugConfig.from_dict({"rules": 5})
+    with pytest.raises(DebugConfigError, match="rule 0: expected a mapping"):
+        DebugConfig.from_dict({"rules": ["model.layers.0.mlp.up_proj"]})
+    with pytest.raises(DebugConfigError, match="a debug config is a mapping"):
+        DebugConfig.from_dict([rule])
+    with pytest.raises(DebugConfigError, match="freq"):
+        DebugConfig.from_dict({"rules": [{**rule, "log_tensor_stats": {"freq": "10"}}]})
+    assert not DebugConfig.from_dict({"rules": [rule]}).rules[0].disable_quantization
+    assert (
+        DebugConfig.from_dict({"rules": [{**rule, "disable_quantization": True}]})
+        .rules[0]
+        .disable_quantization
+    )
 
 
 def test_disable_quantization_goes_into_the_recipe_fingerprint():

@@ -103,3 +103,27 @@ def test_dgrad_weight_layout_is_the_transpose_of_the_fprop_weight():
     assert transposed_weight_codes(fused) is t  # cached until the weight changes
     fused.codes.add_(0)
     assert transposed_weight_codes(fused) is not t
+
+
+def test_mm_f32_accumulates_in_float32_and_lets_errors_through():
+    from minite_common.autograd import mm_f32, mm_out_dtype_supported
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 256, generator=g).bfloat16()
+    b = torch.randn(256, 24, generator=g).bfloat16()
+    exact = a.double() @ b.double()
+    # The capability check agrees with what torch.mm does on this device.
+    if mm_out_dtype_supported("cpu"):
+        assert torch.mm(a, b, out_dtype=torch.float32).dtype == torch.float32
+    else:
+        with pytest.raises(NotImplementedError, match=r"mm\.dtype"):
+            torch.mm(a, b, out_dtype=torch.float32)
+    # An error (here a shape mismatch; an OOM alike) propagates and changes nothing after it.
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        mm_f32(a, a)
+    for out in (None, torch.empty(32, 24)):
+        result = mm_f32(a, b, out)
+        assert result.dtype == torch.float32
+        assert torch.allclose(result.double(), exact, rtol=0, atol=1e-4)
+        # Not a BF16-rounded product cast up (what the old fallback silently returned).
+        assert not torch.equal(result, torch.mm(a, b).float())

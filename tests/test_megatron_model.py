@@ -156,7 +156,7 @@ def test_state_dicts_load_both_ways_between_nvfp4_and_bf16_models(tiny_moe_dir):
 
 def test_recipe_bf16_layers_use_megatrons_own_linears(tiny_dense_dir):
     recipe = NVFP4Recipe(
-        bf16_first_layers=1, bf16_modules=(*NVFP4Recipe().bf16_modules, r"\.o_proj$")
+        bf16_first_layers=1, bf16_modules=(*NVFP4Recipe().bf16_modules, "*.o_proj")
     )
     model = build_gpt_model_from_hf(tiny_dense_dir, recipe=recipe)
     first, second = model.decoder.layers

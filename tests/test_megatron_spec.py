@@ -83,7 +83,7 @@ def test_transformer_engine_options_fail_clearly(overrides, message):
 def test_grouped_experts_and_quantized_router_fail_clearly():
     with pytest.raises(ValueError, match="moe_grouped_gemm"):
         _build(get_gpt_decoder_block_minite_spec, TinyModelSpec(moe=True), moe_grouped_gemm=True)
-    recipe = NVFP4Recipe(bf16_modules=(r"(^|\.)embed_tokens$", r"(^|\.)lm_head$"))
+    recipe = NVFP4Recipe(bf16_modules=("{,*.}embed_tokens", "{,*.}lm_head"))
     with pytest.raises(ValueError, match="mlp.gate"):
         _build(lambda c: get_gpt_decoder_block_minite_spec(c, recipe), TinyModelSpec(moe=True))
 

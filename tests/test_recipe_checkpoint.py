@@ -1,6 +1,7 @@
 """Recipe fingerprints and BF16 selection, and the on-disk checkpoint format."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from minite_common.checkpoint import (
 
 
 def test_recipe_round_trips_through_dict_and_keeps_fingerprint():
-    recipe = NVFP4Recipe(bf16_first_layers=1, bf16_modules=(r"\.o_proj$",))
+    recipe = NVFP4Recipe(bf16_first_layers=1, bf16_modules=("*.o_proj",))
     again = NVFP4Recipe.from_dict(recipe.to_dict())
     assert again == recipe
     assert again.fingerprint() == recipe.fingerprint() != DEFAULT_RECIPE.fingerprint()
@@ -45,6 +46,36 @@ def test_recipe_rejects_bad_fields():
 )
 def test_default_recipe_keeps_embeddings_head_and_router_in_bf16(name, expected):
     assert DEFAULT_RECIPE.keeps_bf16(name) is expected
+
+
+def test_module_patterns_are_whole_name_globs():
+    recipe = NVFP4Recipe(bf16_modules=("model.layers.1.self_attn.{q,k,v}_proj", "*.experts.?"))
+    assert recipe.keeps_bf16("model.layers.1.self_attn.k_proj")
+    assert not recipe.keeps_bf16("model.layers.1.self_attn.o_proj")
+    assert not recipe.keeps_bf16("model.layers.11.self_attn.k_proj")  # the whole name, no search
+    assert recipe.keeps_bf16("model.layers.0.mlp.experts.3")
+    assert not recipe.keeps_bf16("model.layers.0.mlp.experts.31")
+    assert not DEFAULT_RECIPE.keeps_bf16("model.my_lm_head")
+
+
+def test_module_patterns_cannot_stall_and_regexes_are_refused():
+    with pytest.raises(ValueError, match=r"bf16_modules: pattern .* regular-expression syntax"):
+        NVFP4Recipe(bf16_modules=("^(.*.*)*X$",))
+    with pytest.raises(ValueError, match="regular-expression syntax"):  # an old recipe's default
+        NVFP4Recipe.from_dict({"bf16_modules": [r"(^|\.)lm_head$"]})
+    with pytest.raises(ValueError, match="more than 64 alternatives"):
+        NVFP4Recipe(bf16_modules=("{a,b}" * 7,))
+    with pytest.raises(ValueError, match="more than 256"):
+        NVFP4Recipe(bf16_modules=("a" * 300,))
+    with pytest.raises(ValueError, match="unbalanced braces"):
+        NVFP4Recipe(bf16_modules=("model.{a,b",))
+    with pytest.raises(ValueError, match="a list of module-name patterns"):
+        NVFP4Recipe(bf16_modules="*.o_proj")
+    start = time.perf_counter()
+    worst = NVFP4Recipe(bf16_modules=("*a" * 100 + "*X", "{*a*,*?*}" * 6 + "X"))
+    for n in (16, 1000, 4000):
+        assert not worst.keeps_bf16("a" * n)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_first_and_last_layers_in_bf16():

@@ -297,16 +297,42 @@ class TestDenseOnline:
     ):
         b = load_file(dense_b_dir / "model.safetensors")
         addresses = dense.collective_rpc(_param_addresses)[0]
+        before = quantized_state(dense)
         down = "model.layers.1.mlp.down_proj.weight"
+        q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
         nan = b[down].clone()
         nan[3, 5] = float("nan")
+        rows16 = lambda t: torch.cat([t, t[:16]])  # noqa: E731
+        expected = "expected a BF16/FP16/FP32 tensor"
         bad_bf16 = {
             "holds NaN": {**b, down: nan},
             "not a weight of this model|no module or parameter": {
                 **b,
                 "model.layers.7.mlp.down_proj.weight": b[down],
             },
-            rf"{down} \(torch.bfloat16 \[128, 64\]\)": {**b, down: b[down][:, :64]},
+            rf"{down} \(torch.bfloat16 \[128, 64\]\): {down}: {expected} \[128, 256\]": {
+                **b,
+                down: b[down][:, :64],
+            },
+            # Oversized tensors: not the first rows (or columns) of something bigger.
+            rf"{q}: {expected} \[128, 128\] \(the whole HF weight\), found .* \[144, 128\]": {
+                **b,
+                q: rows16(b[q]),
+            },
+            rf"{o}: {expected} \[128, 128\] .*found torch.bfloat16 \[128, 144\]": {
+                **b,
+                o: torch.cat([b[o], b[o][:, :16]], dim=1),
+            },
+            r"model\.norm\.weight \(torch.bfloat16 \[144\]\): .+": {
+                **b,
+                "model.norm.weight": torch.ones(144, dtype=torch.bfloat16),
+            },
+            # vLLM's embedding loader asserts without a message: the reason is given all the same.
+            r"lm_head.weight \(torch.bfloat16 \[288, 128\]\): vLLM's loader refused it "
+            r"\(AssertionError\) for this rank's parameter lm_head.weight \[\d+, 128\]": {
+                **b,
+                "lm_head.weight": rows16(b["lm_head.weight"]),
+            },
             "update_weights_quantized": {
                 **b,
                 "model.layers.1.mlp.down_proj.weight_scale": torch.zeros(
@@ -330,13 +356,45 @@ class TestDenseOnline:
             ].float(),
         }
         with pytest.raises(
-            Exception, match=r"down_proj.weight_scale: .*float8_e4m3fn, found torch.float32"
+            Exception, match=r"down_proj.weight_scale: expected torch.float8_e4m3fn .*found torch"
         ):
             dense.collective_rpc(
                 "update_weights_quantized", args=(pack_weights(wrong_dtype), recipe)
             )
+        qq = learner_state(b, ["model.layers.0.self_attn.q_proj"])
+        q_scale = "model.layers.0.self_attn.q_proj.weight_scale"
+        negative = qq[q_scale].view(torch.uint8).clone()
+        negative[7, 3] |= 0x80
+        bad_quantized = {
+            # New codes with the old scales would run silently.
+            r"lacks model\.layers\.0\.self_attn\.q_proj\.weight_scale, .*weight_scale_2": {
+                q: qq[q]
+            },
+            rf"{q_scale}: holds 1 negative and 0 NaN E4M3 block scales": {
+                **qq,
+                q_scale: negative.view(torch.float8_e4m3fn),
+            },
+            rf"{q}: expected torch.uint8 \[128, 64\] .*found torch.uint8 \[144, 64\]": {
+                **qq,
+                q: rows16(qq[q]),
+            },
+            rf"{q_scale}: expected torch.float8_e4m3fn \[128, 8\] .*\[144, 8\]": {
+                **qq,
+                q_scale: rows16(qq[q_scale]),
+            },
+            r"q_proj\.weight_scale_2: global decode scale 1e\+30 is not in": {
+                **qq,
+                f"{q_scale}_2": torch.tensor(1e30),
+            },
+        }
+        for message, weights in bad_quantized.items():
+            with pytest.raises(Exception, match=message):
+                dense.collective_rpc(
+                    "update_weights_quantized", args=(pack_weights(weights), recipe)
+                )
         assert greedy(dense) == dense_baseline
         assert dense.collective_rpc(_param_addresses)[0] == addresses
+        assert same_state(quantized_state(dense), before)  # bitwise the old weights
 
     def test_vllm_reload_weights_keeps_tensor_addresses(self, dense, dense_baseline, dense_b_dir):
         addresses = dense.collective_rpc(_param_addresses)[0]

@@ -1,7 +1,7 @@
 """``minite debug``: per-layer precision debugging applied identically in both engines.
 
 - ``minite debug check CONFIG.yaml [MODEL_DIR]``: validate a debug configuration against a model
-  (unknown features, regexes that match no layer of either engine, layers in one engine only).
+  (unknown features, patterns that match no layer of either engine, layers in one engine only).
 - ``minite debug bisect --signal MODULE:FUNCTION [MODEL_DIR]``: find the layer whose NVFP4
   quantization causes most of a signal, in about log2(layers) rounds. ``FUNCTION(model_dir,
   bf16_layers) -> float`` runs your check with those HF layers' GEMMs in BF16 in both engines
@@ -19,12 +19,14 @@ import json
 import tempfile
 from pathlib import Path
 
+from minite.cli import plain
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "debug",
         help="per-layer precision debugging (BF16 switches, tensor stats, bisection)",
-        description=__doc__,
+        description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")

@@ -16,12 +16,14 @@ import json
 import tempfile
 from pathlib import Path
 
+from minite.cli import plain
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "diagnose",
         help="measure and localize sampler/learner mismatch and quantizer health",
-        description=__doc__,
+        description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "src", type=Path, help="directory of a BF16 checkpoint (config.json, *.safetensors)"
     )
-    p.add_argument("dst", type=Path, help="output directory (created; must not hold a checkpoint)")
+    p.add_argument("dst", type=Path, help="output directory (created; must be new or empty)")
     p.add_argument(
         "--recipe",
         type=Path,
@@ -36,14 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe=None) -> dict[str, int]:
     """Write the miniTE checkpoint of the BF16 checkpoint ``src`` to ``dst``, one safetensors
-    file at a time; return counts of quantized and copied tensors."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    file at a time; return counts of quantized and copied tensors.
 
-    from minite_common import DEFAULT_RECIPE, quantize_weight
-    from minite_common.checkpoint import nvfp4_to_state, quantization_config
-
-    recipe = recipe or DEFAULT_RECIPE
+    Atomic: everything is written into a temporary folder beside ``dst`` that is renamed to
+    ``dst`` once complete, so a failure (a full disk, a refused tensor) leaves no ``dst`` and no
+    temporary folder. ``dst`` must not exist or be an empty folder.
+    """
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
@@ -54,9 +53,35 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe=None) -> dict[s
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src} holds no *.safetensors files")
-    if (dst / "config.json").exists():
-        raise FileExistsError(f"{dst} already holds a checkpoint; choose an empty directory")
-    dst.mkdir(parents=True, exist_ok=True)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        held = sorted(p.name for p in dst.iterdir())[:4] if dst.is_dir() else []
+        raise FileExistsError(
+            f"{dst} is not an empty folder{f' (it holds {held})' if held else ''}; quantize-model "
+            "writes a whole checkpoint: choose a new or empty output folder"
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        counts = _write_checkpoint(src, partial, config, files, recipe)
+        if dst.exists():
+            dst.rmdir()
+        partial.rename(dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return counts
+
+
+def _write_checkpoint(
+    src: Path, dst: Path, config: dict, files: list[Path], recipe
+) -> dict[str, int]:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from minite_common import DEFAULT_RECIPE, quantize_weight
+    from minite_common.checkpoint import nvfp4_to_state, quantization_config
+
+    recipe = recipe or DEFAULT_RECIPE
     num_layers = config.get(
         "num_hidden_layers", config.get("text_config", {}).get("num_hidden_layers")
     )
@@ -101,12 +126,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe=None) -> dict[s
 def run(args: argparse.Namespace) -> int:
     recipe = None
     if args.recipe is not None:
-        from minite_common import NVFP4Recipe
-        from minite_common.checkpoint import QUANT_METHOD, recipe_from_quantization_config
+        from minite_common.checkpoint import recipe_from_file
 
-        data = json.loads(args.recipe.read_text())
-        is_config = data.get("quant_method") == QUANT_METHOD
-        recipe = recipe_from_quantization_config(data) if is_config else NVFP4Recipe.from_dict(data)
+        recipe = recipe_from_file(args.recipe, "--recipe")
     start = time.perf_counter()
     counts = quantize_checkpoint(args.src, args.dst, recipe)
     print(
