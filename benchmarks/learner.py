@@ -558,7 +558,7 @@ def check_backward_numerics(device: torch.device) -> dict[str, float]:
     # Unbiased stochastic rounding: the mean of 16 draws approaches the nearest-rounding result.
     draws = [grads(NVFP4Recipe(), True)[0] for _ in range(16)]
     out["sr_dx_mean16_vs_fp32"] = rel(torch.stack(draws).mean(0), xr.grad)
-    out["mm_out_dtype_f32"] = float(bool(ag._MM_OUT_DTYPE and ag._MM_OUT_DTYPE[0]))
+    out["mm_out_dtype_f32"] = float(ag.mm_out_dtype_supported("cuda"))
     return out
 
 
