@@ -585,6 +585,7 @@ def check_grouped_numerics(
         quantize_weight,
         w4a4_linear_train,
     )
+    from minite_common.hadamard import rht_matrix
 
     g = torch.Generator(device="cpu").manual_seed(3)
     ffn, k = shape.expert_ffn, shape.hidden
@@ -612,7 +613,7 @@ def check_grouped_numerics(
     )
     scale = stacked.channel_decode_scale()
     row, col, dec = quantize_grouped_grad_operands(
-        dy, tuple(sizes), row=True, row_scale=scale, col=True, rht=True
+        dy, tuple(sizes), row=True, row_scale=scale, col=True, rht=rht_matrix(dy.device)
     )
     _, starts, pstarts = group_layout(tuple(sizes), device)
     equal = True
@@ -623,7 +624,7 @@ def check_grouped_numerics(
                 row=True,
                 row_scale=scale[e * n : (e + 1) * n],
                 col=True,
-                rht=True,
+                rht=rht_matrix(dy.device),
             )
             p = -(-size // 16) * 16
             equal &= same(r, row[starts[e] : starts[e] + size])

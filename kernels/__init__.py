@@ -1,7 +1,9 @@
 """miniTE's Triton kernels (imported as ``minite_kernels``), reached through ``minite_common``.
 
 ``dispatch.kernel_arch(device)`` says whether they serve a device; the entry points below take
-``minite_common`` NVFP4Tensors and import Triton only when called.
+NVFP4 operands as objects with ``codes``, ``scales``, ``decode_scale``, ``rows`` and ``cols``
+(``minite_common.NVFP4Tensor``) and import Triton only when called. This package imports nothing
+from ``minite_common``: what the kernels need of the recipe (e.g. the RHT matrix) is passed in.
 """
 
 from __future__ import annotations

@@ -265,18 +265,6 @@ def _grad_qdq_kernel(
         tl.store(out, tl.trans(q), mask=ok)
 
 
-_H_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-def _rht(device: torch.device) -> torch.Tensor:
-    h = _H_CACHE.get(device)
-    if h is None:
-        from minite_common.hadamard import rht_matrix
-
-        h = _H_CACHE[device] = rht_matrix(device).contiguous()
-    return h
-
-
 def quantize_grad_operands(
     x: torch.Tensor,
     *,
@@ -284,7 +272,7 @@ def quantize_grad_operands(
     row_scale: torch.Tensor | None = None,
     row_stochastic: bool = False,
     col: bool = False,
-    rht: bool = False,
+    rht: torch.Tensor | None = None,
     col_stochastic: bool = False,
     seed: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -294,6 +282,8 @@ def quantize_grad_operands(
     ``decode`` float32 [2]: the row and col operands' decode scales ``S_dec`` (0-d views are
     ``decode[0]``, ``decode[1]``). ``row_scale`` float32 [C] multiplies ``x`` for ``row``;
     ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it).
+    ``rht``: the 16x16 random Hadamard matrix to apply to the col operand's 16-token blocks
+    (``minite_common.hadamard.rht_matrix``), or None for none.
     """
     if x.dim() != 2 or x.shape[1] % 16:
         raise ValueError(f"quantize_grad_operands: need [R, C] with C % 16 == 0, got {x.shape}")
@@ -316,10 +306,10 @@ def quantize_grad_operands(
         raise ValueError(
             f"quantize_grad_operands: row_scale has {scale_arg.shape[0]} values, not {c}"
         )
-    h = _rht(dev) if col and rht else stats
+    h = rht.to(dev, torch.float32).contiguous() if col and rht is not None else stats
     dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (triton.cdiv(r_pad, BLOCK_R), triton.cdiv(c, BLOCK_C))
-    flags = dict(ROW=row, COL=col, RHT=col and rht, DOT_BF16=dot_bf16)
+    flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
     _grad_amax_kernel[grid](
         x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, h, stats,
         ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, **flags,

@@ -32,7 +32,6 @@ from .nvfp4_grad import (
     _finite_amax,
     _load_tile,
     _qdq_tile,
-    _rht,
     _row_values,
 )
 from .nvfp4_quantize import _quantize_nvfp4_kernel
@@ -179,7 +178,7 @@ def quantize_grouped_grad_operands(
     row_scale: torch.Tensor | None = None,
     row_stochastic: bool = False,
     col: bool = False,
-    rht: bool = False,
+    rht: torch.Tensor | None = None,
     col_stochastic: bool = False,
     seed: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -215,10 +214,10 @@ def quantize_grouped_grad_operands(
             f"{list(row_scale.shape)}"
         )
     scale_arg = row_scale.float().contiguous() if has_scale else stats
-    h = _rht(dev) if col and rht else stats
+    h = rht.to(dev, torch.float32).contiguous() if col and rht is not None else stats
     dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (tiles.shape[0], triton.cdiv(c, BLOCK_C))
-    flags = dict(ROW=row, COL=col, RHT=col and rht, DOT_BF16=dot_bf16)
+    flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
     _grouped_grad_amax_kernel[grid](
         x, x.stride(0), x.stride(1), c, tiles, scale_arg, h, stats,
         ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, **flags,

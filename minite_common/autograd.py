@@ -26,7 +26,7 @@ import weakref
 import torch
 from minite_kernels.dispatch import kernel_arch
 
-from .hadamard import random_hadamard_transform
+from .hadamard import random_hadamard_transform, rht_matrix
 from .linear import check_weight, nvfp4_gemm, w4a4_linear
 from .nvfp4 import NVFP4Tensor, quantize_nvfp4, unpack_codes
 from .recipe import DEFAULT_RECIPE, NVFP4Recipe
@@ -98,6 +98,12 @@ HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lo
 
 
 @functools.cache
+def wgrad_rht_matrix(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
+    """The RHT matrix the recipe applies to the wgrad operands on ``device``, or None (the
+    Hopper kernels take it as an argument: ``minite_kernels`` imports nothing from here)."""
+    return rht_matrix(device) if recipe.wgrad_rht else None
+
+
 def mm_out_dtype_supported(device_type: str) -> bool:
     """Whether this torch build has a float32-output BF16 ``torch.mm`` (``aten::mm.dtype``)
     kernel for ``device_type`` (``"cuda"``, ``"cpu"``): a registry look-up, nothing runs."""
@@ -142,7 +148,7 @@ def hopper_grad_operands(
         row_scale=w_q.decode_scale,
         row_stochastic=stochastic,
         col=need_dw,
-        rht=recipe.wgrad_rht,
+        rht=wgrad_rht_matrix(recipe, x.device),
         col_stochastic=stochastic,
         seed=seed,
     )
@@ -152,7 +158,7 @@ def hopper_grad_operands(
         out["w"] = minite_kernels.decoded_weight(w_q)
     if need_dw:
         _, x_col, x_dec = minite_kernels.quantize_grad_operands(
-            x, row=False, col=True, rht=recipe.wgrad_rht
+            x, row=False, col=True, rht=wgrad_rht_matrix(recipe, x.device)
         )
         out.update(g_col=g_col, x_col=x_col, x_dec=x_dec)
     return out

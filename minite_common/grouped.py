@@ -182,7 +182,7 @@ def _hopper_backward(
         row_scale=w_q.channel_decode_scale(),
         row_stochastic=stochastic,
         col=need_dw,
-        rht=recipe.wgrad_rht,
+        rht=_autograd.wgrad_rht_matrix(recipe, x.device),
         col_stochastic=stochastic,
         seed=seed,
     )
@@ -202,7 +202,7 @@ def _hopper_backward(
         torch.mul(acc, scale[:, None], out=dx)
     if need_dw:
         _, x_col, x_dec = quantize_grouped_grad_operands(
-            x, key, row=False, col=True, rht=recipe.wgrad_rht
+            x, key, row=False, col=True, rht=_autograd.wgrad_rht_matrix(recipe, x.device)
         )
         acc = torch.empty(groups, n, k, dtype=torch.float32, device=dev)
         for g, size in enumerate(sizes):

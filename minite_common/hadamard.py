@@ -8,6 +8,8 @@ same orthogonal ``T`` multiplies both operands, ``(G T)(X T)^T == G X^T`` up to 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 RHT_SIZE = 16
@@ -16,7 +18,13 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def rht_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16x16 float32 matrix ``diag(signs) @ H16 / 4`` (orthogonal)."""
+    """The 16x16 float32 matrix ``diag(signs) @ H16 / 4`` (orthogonal); one cached copy per
+    device (do not modify it)."""
+    return _rht_matrix(torch.device(device))
+
+
+@functools.cache
+def _rht_matrix(device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < RHT_SIZE:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from minite_common.hadamard import rht_matrix
+
 CHECKS = ["row_nearest", "col_rht_exact", "col_rht_random", "stochastic", "nonfinite", "backward"]
 
 
@@ -82,7 +84,8 @@ def check_col_rht_exact() -> None:
     )
     x = x.to(torch.bfloat16)
     for rht in (True, False):
-        row, col, dec = quantize_grad_operands(x, row=False, col=True, rht=rht)
+        h = rht_matrix() if rht else None
+        row, col, dec = quantize_grad_operands(x, row=False, col=True, rht=h)
         assert row is None and col.shape == (64, 48)
         ref = _col_reference(x, rht)
         assert torch.equal(col.float().t(), _values(ref)), f"col values differ (rht={rht})"
@@ -93,7 +96,7 @@ def check_col_rht_random() -> None:
     from minite_kernels.nvfp4_grad import quantize_grad_operands
 
     x = _heavy(200, 64, 2)
-    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=True)
+    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=rht_matrix())
     ref = _col_reference(x, True)
     same = (col.float().t() == _values(ref)).float().mean().item()
     assert same > 0.99, f"only {same:.4f} of the RHT'd values agree with the torch path"
@@ -142,11 +145,11 @@ def check_nonfinite() -> None:
 
     x = _heavy(40, 32, 4)
     x[3, 5] = float("nan")
-    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=True)
+    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=rht_matrix())
     assert torch.isnan(dec).all()
     y = _heavy(40, 32, 5)
     y[7, 1] = float("inf")
-    _, _, dec = quantize_grad_operands(y, row=False, col=True, rht=False)
+    _, _, dec = quantize_grad_operands(y, row=False, col=True)
     assert torch.isnan(dec[1])
     empty = torch.zeros(0, 32, dtype=torch.bfloat16)
     row, col, dec = quantize_grad_operands(empty, row=True, col=True)

@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from minite_common.hadamard import rht_matrix
+
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
 TOKENS = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
@@ -345,7 +347,7 @@ def check_grad_operands() -> None:
     x = x.to(torch.bfloat16)
     scale = torch.rand(len(SIZES) * c, generator=g) + 0.5
     _, starts, pstarts = group_layout(SIZES, x.device)
-    for rht in (False, True):
+    for rht in (None, rht_matrix()):
         row, col, dec = quantize_grouped_grad_operands(
             x, SIZES, row=True, row_scale=scale, col=True, rht=rht
         )
