@@ -14,10 +14,13 @@ With a recipe whose ``strict_ops`` is on (``MINITE_RECIPE`` or a strict miniTE c
 - LM head and MoE router (BF16): :func:`minite_common.ops.linear`; routed experts: routing,
   SwiGLU and the combine from :mod:`minite_common.ops` around the NVFP4 expert GEMMs.
 
-The log-softmax of the sampled tokens is vLLM's sampler's own (``log_softmax`` in float32, row by
-row), which :func:`minite_common.ops.log_softmax` reproduces on the learner side. Strict mode
-needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU attention
-backend.
+- The log-probs the sampler returns: vLLM's ``Sampler.compute_logprobs`` (torch's
+  ``log_softmax``, whose bits depend on the CPU's instruction set) is replaced, in a process whose
+  engine runs the strict LM head, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
+  the same bits on every CPU), the learner's ``token_logprobs`` in strict mode.
+
+Strict mode needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU
+attention backend.
 """
 
 from __future__ import annotations
@@ -137,9 +140,33 @@ STRICT_OPS: dict[type[CustomOp], type[CustomOp]] = {
 }
 
 
+#: Set in a process once its engine computed logits with the strict LM head (one engine per
+#: process: vLLM's engine core runs in its own process).
+_STRICT_LOGITS: list[bool] = []
+
+
+def _strict_compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``Sampler.compute_logprobs``; :func:`ops.log_softmax` behind a strict LM head."""
+    if _STRICT_LOGITS:
+        return ops.log_softmax(logits)
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def install_strict_logprobs() -> None:
+    """Route vLLM's sampler log-probs through :func:`_strict_compute_logprobs` (idempotent)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if Sampler.__dict__.get("compute_logprobs") is not _STRICT_COMPUTE_LOGPROBS:
+        Sampler.compute_logprobs = _STRICT_COMPUTE_LOGPROBS
+
+
+_STRICT_COMPUTE_LOGPROBS = staticmethod(_strict_compute_logprobs)
+
+
 def register_strict_ops() -> None:
     """Register the strict subclasses as vLLM's out-of-tree ops (idempotent). They behave exactly
     like vLLM's ops unless the engine runs a strict ``minite`` recipe."""
+    install_strict_logprobs()
     for base, strict in STRICT_OPS.items():
         name = base.__name__
         if op_registry_oot.get(name) is strict:
@@ -290,6 +317,8 @@ class StrictLMHeadMethod(UnquantizedEmbeddingMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if not _STRICT_LOGITS:
+            _STRICT_LOGITS.append(True)  # this process's sampler now uses ops.log_softmax
         return ops.linear(x, layer.weight, bias)
 
 
