@@ -327,6 +327,12 @@ def summary_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def config_json(cfg: DemoConfig) -> dict[str, Any]:
+    """The configuration as JSON types: numbers and booleans as such, paths as strings, no
+    model as ``null``."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
 def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     """The whole demo; returns the report it writes to ``cfg.out / "report.json"``."""
     from transformers import AutoTokenizer
@@ -362,7 +368,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
                           log=log)  # fmt: skip
     stop_sampler(llm)
 
-    report = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
+    report = {"config": config_json(cfg),
               "recipe": cfg.recipe.fingerprint(), "records": records,
               "wall_s": time.perf_counter() - started}  # fmt: skip
     (cfg.out / "report.json").write_text(json.dumps(report, indent=1))

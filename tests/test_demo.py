@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 TIMING_KEYS = {"sample_s", "step_s"}
 
@@ -41,6 +45,10 @@ def test_demo_runs_end_to_end_and_is_reproducible(tmp_path):
     for r in usual:
         assert r["token_mult_prob_error"] > 1.0 and r["weights_bitwise_in_sync"] is None
     assert (tmp_path / "a" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    config = first["config"]  # JSON types, not strings
+    assert config["steps"] == 2 and config["strict"] is True and config["compare"] is True
+    assert config["model"] is None and config["lr"] == 2e-3 and config["tiny"] is True
+    assert config["out"] == str(tmp_path / "a")
     second = _run_demo(tmp_path / "b")
 
     def strip(report):
@@ -54,3 +62,11 @@ def test_demo_without_strict_mode_keeps_the_linears_in_sync(tmp_path):
     steps = _steps(report, "miniTE sampler + learner")
     assert len(steps) == 2 and all(r["weights_bitwise_in_sync"] is True for r in steps)
     assert all(1.0 <= r["token_mult_prob_error"] < 1.5 for r in steps)
+
+
+def test_demo_output_folder_is_ignored_by_git():
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(["git", "check-ignore", "-q", "minite-demo/report.json"], cwd=root)
+    assert proc.returncode == 0, "minite-demo/ (the demo's default output) is not in .gitignore"
