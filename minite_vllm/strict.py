@@ -16,7 +16,7 @@ With a recipe whose ``strict_ops`` is on (``MINITE_RECIPE`` or a strict miniTE c
 
 - The log-probs the sampler returns: vLLM's ``Sampler.compute_logprobs`` (torch's
   ``log_softmax``, whose bits depend on the CPU's instruction set) is replaced, in a process whose
-  engine runs the strict LM head, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
+  engine runs a strict model, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
   the same bits on every CPU), the learner's ``token_logprobs`` in strict mode.
 
 Strict mode needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _PAD_SLOT = -1
+
+#: ``[True]`` while the model this process built last runs a strict recipe (set when its
+#: RMSNorm layers are built; vLLM's engine core normally runs in a process of its own).
+_STRICT_LOGITS: list[bool] = []
 
 
 def strict_enabled() -> bool:
@@ -82,6 +86,7 @@ class StrictRMSNorm(RMSNorm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.minite_strict = strict_enabled()
+        _STRICT_LOGITS[:] = [True] if self.minite_strict else []  # the model built last decides
         if self.minite_strict:
             if not self.has_weight or self.variance_size_override is not None:
                 raise NotImplementedError(
@@ -140,13 +145,8 @@ STRICT_OPS: dict[type[CustomOp], type[CustomOp]] = {
 }
 
 
-#: Set in a process once its engine computed logits with the strict LM head (one engine per
-#: process: vLLM's engine core runs in its own process).
-_STRICT_LOGITS: list[bool] = []
-
-
 def _strict_compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``Sampler.compute_logprobs``; :func:`ops.log_softmax` behind a strict LM head."""
+    """vLLM's ``Sampler.compute_logprobs``; :func:`ops.log_softmax` for a strict model."""
     if _STRICT_LOGITS:
         return ops.log_softmax(logits)
     return logits.log_softmax(dim=-1, dtype=torch.float32)
@@ -317,8 +317,6 @@ class StrictLMHeadMethod(UnquantizedEmbeddingMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not _STRICT_LOGITS:
-            _STRICT_LOGITS.append(True)  # this process's sampler now uses ops.log_softmax
         return ops.linear(x, layer.weight, bias)
 
 
