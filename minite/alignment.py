@@ -34,7 +34,7 @@ from minite_common.diagnostics import (
     logprob_mismatch,
 )
 
-#: vLLM settings for the CPU build (ENVIRONMENT.md); callers may override.
+#: vLLM settings for the CPU build (docs/contract.md section 10); callers may override.
 VLLM_CPU_KWARGS = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}
 
 #: Environment the vLLM CPU build needs: a bounded KV cache, no thread pinning, no hub.
@@ -69,7 +69,8 @@ class Rollouts:
 
 
 def configure_cpu_engines() -> None:
-    """Set the vLLM CPU-build variables ENVIRONMENT.md requires, unless the user set them."""
+    """Set the variables vLLM's CPU build needs (docs/contract.md section 10), unless the user
+    set them."""
     import os
 
     for key, value in CPU_ENGINE_ENV.items():

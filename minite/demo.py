@@ -9,18 +9,26 @@
    when the engines agree; the new weights go into the running vLLM engine (re-quantized there
    to the learner's bits), and the sync is checked bitwise.
 3. Per step: reward, accuracy, mismatch figures, TIS weights, step time; at the end a terminal
-   table, ``report.json`` and ``report.png``.
+   table, what the run shows (:func:`findings`), ``report.json`` and ``report.png``.
 By default the miniTE run uses the recipe's strict mode, where the ops between the linears are
 shared too and the sampler's and learner's log-probs agree bitwise (token multiplicative
 probability error exactly 1; ``--no-strict``: only the NVFP4 linears agree bitwise), and the
 usual quantized-rollout setup (miniTE sampler + BF16 learner) runs from the same warm start for
 comparison (``--no-compare`` skips it).
+
+The learner's loss, gradient clipping and Adam here use fixed-order sums and plain elementwise
+arithmetic (:func:`grpo_loss`, :func:`clip_grad_norm`, :class:`FixedOrderAdam`), so with strict
+mode every figure of the run and the final weights are the same on any CPU (instruction set,
+thread count); the usual setup's figures are not (its BF16 GEMMs and torch's kernels follow the
+CPU). The run is one seed of a toy task: it shows exact log-probs and TIS = 1 against the usual
+setup's mismatch, not which setup learns faster.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import random
@@ -43,7 +51,7 @@ from minite.alignment import (
     weights_in_sync,
 )
 from minite.tiny_model import TinyModelSpec, write_tiny_model
-from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common import DEFAULT_RECIPE, NVFP4Recipe, ops
 from minite_common.diagnostics import logprob_mismatch
 
 
@@ -104,6 +112,52 @@ def reward(problem: Problem, completion: Sequence[int], tokenizer: Any) -> float
     return float(ended and text == problem.answer)
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s formula with fixed-order sums (:func:`ops.fixed_sum`)
+    instead of torch's norm kernel, whose summation order follows the CPU's vector width."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = torch.stack([ops.fixed_sum((g.float() * g.float()).reshape(-1)) for g in grads])
+    total = ops.sqrt(ops.fixed_sum(squares))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+class FixedOrderAdam:
+    """Adam as ``torch.optim.Adam`` computes it (no weight decay), in plain elementwise IEEE ops.
+
+    torch's Adam runs fused kernels (``lerp``, ``addcmul``, ``addcdiv``) that use fused
+    multiply-adds on AVX2/AVX-512 CPUs and separate ones elsewhere, so its bits depend on the
+    CPU; here every step is one correctly rounded operation, the bias corrections are Python
+    floats built by repeated multiplication, and an update gives the same bits on every CPU.
+    """
+
+    def __init__(
+        self, params: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float = 1e-8
+    ) -> None:
+        self.params = list(params)
+        self.param_groups = [{"lr": lr}]
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.beta1_t, self.beta2_t = 1.0, 1.0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.beta1_t *= self.beta1
+        self.beta2_t *= self.beta2
+        step_size = self.param_groups[0]["lr"] / (1.0 - self.beta1_t)
+        bias_sqrt = math.sqrt(1.0 - self.beta2_t)
+        for p, m, v in zip(self.params, self.m, self.v, strict=True):
+            g = p.grad
+            m.mul_(self.beta1).add_(g * (1.0 - self.beta1))
+            v.mul_(self.beta2).add_((g * g) * (1.0 - self.beta2))
+            denom = (ops.sqrt(v) / bias_sqrt) + self.eps
+            p.sub_((m / denom) * step_size)
+
+
 class Learner:
     """A Megatron ``GPTModel`` (miniTE spec or BF16) with FP32 master weights and Adam."""
 
@@ -114,7 +168,7 @@ class Learner:
         self.nvfp4 = nvfp4
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.optimizer = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.99))
+        self.optimizer = FixedOrderAdam(self.master, lr=lr, betas=(0.9, 0.99))
 
     def logprobs(
         self, prompts: list[list[int]], completions: list[list[int]]
@@ -134,13 +188,20 @@ class Learner:
         loss.backward()
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-        torch.nn.utils.clip_grad_norm_(self.master, 1.0)
+        clip_grad_norm(self.master, 1.0)
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master, strict=True):
                 p.copy_(m)
         invalidate_quantized_weights(self.model)
         return float(loss.detach())
+
+    def weights_sha256(self) -> str:
+        """SHA-256 of the FP32 master weights' bytes: the learner's whole state in one figure."""
+        digest = hashlib.sha256()
+        for m in self.master:
+            digest.update(m.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     def save_hf(self, src_dir: Path, dst_dir: Path) -> Path:
         """Write the current weights as an HF checkpoint (config and tokenizer from ``src_dir``)."""
@@ -185,8 +246,8 @@ def warm_start(learner: Learner, tokenizer: Any, cfg: DemoConfig, log) -> float:
         answers = [tokenizer(p.answer)["input_ids"] + [tokenizer.eos_token_id] for p in batch]
 
         def nll(model, prompts=prompts, answers=answers):
-            lps = _sequences_logprobs(model, prompts, answers)
-            return -torch.cat(lps).mean()
+            lps = torch.cat(_sequences_logprobs(model, prompts, answers))
+            return -(ops.fixed_sum(lps) / lps.numel())  # fixed order: the same bits on any CPU
 
         loss = learner.step(nll)
     for group in learner.optimizer.param_groups:
@@ -198,19 +259,25 @@ def warm_start(learner: Learner, tokenizer: Any, cfg: DemoConfig, log) -> float:
 def grpo_loss(
     model, prompts, completions, rewards, sampler_lp, old_lp, group_size, clip_eps, tis_cap
 ):  # fmt: skip
-    """GRPO's clipped surrogate with group-normalized advantages and a TIS correction."""
-    r = torch.tensor(rewards).view(-1, group_size)
-    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
+    """GRPO's clipped surrogate with group-normalized advantages and a TIS correction.
+
+    Every reduction is :func:`ops.fixed_sum` and every exp :func:`ops.exp` (not torch's
+    ``mean``/``std``/``sum``/``exp``, whose bits follow the CPU's instruction set), so a strict
+    learner's loss and gradients are the same on every CPU."""
+    r = torch.tensor(rewards, dtype=torch.float32).view(-1, group_size)
+    centered = r - (ops.fixed_sum(r) / group_size).unsqueeze(1)
+    std = ops.sqrt(ops.fixed_sum(centered * centered) / (group_size - 1))  # unbiased, as .std()
+    adv = (centered / (std.unsqueeze(1) + 1e-4)).flatten()
     new_lp = _sequences_logprobs(model, prompts, completions)
     total, tokens = torch.zeros((), device=new_lp[0].device), 0
     for i, lp in enumerate(new_lp):
         old = old_lp[i].to(lp.device)
-        ratio = torch.exp(lp - old)
+        ratio = ops.exp(lp - old)
         sampler = torch.as_tensor(sampler_lp[i], dtype=torch.float32, device=lp.device)
-        tis = torch.clamp(torch.exp(old - sampler), max=tis_cap)
+        tis = torch.clamp(ops.exp(old - sampler), max=tis_cap)
         a = adv[i].to(lp.device)
         surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
-        total = total - (tis * surrogate).sum()
+        total = total - ops.fixed_sum(tis * surrogate)
         tokens += lp.numel()
     return total / max(tokens, 1)
 
@@ -266,7 +333,8 @@ def rl_run(
             "max_abs_diff": mismatch["max_abs_diff"],
             "frac_bitwise_equal": mismatch["frac_bitwise_equal"],
             "tis_weight_mean": mismatch["ratio_mean"],
-            "tis_clip_fraction": mismatch["tis_clip_fraction"],
+            "tis_weight_min": mismatch["ratio_min"], "tis_weight_max": mismatch["ratio_max"],
+            "tis_clip_fraction": mismatch["tis_clip_fraction"], "tokens": mismatch["tokens"],
             "weights_bitwise_in_sync": in_sync,
             "sample_s": t_sample, "step_s": time.perf_counter() - start,
         })  # fmt: skip
@@ -274,13 +342,15 @@ def rl_run(
         log(f"[{name}] step {step:3d}  reward {r['reward']:.3f}  "
             f"mult_prob_err {r['token_mult_prob_error']:.5f}  k3 {r['k3_kl']:.2e}  "
             f"tis {r['tis_weight_mean']:.4f}  sync {in_sync}  {r['step_s']:.1f}s")  # fmt: skip
-    records.append({"setup": name, "final_accuracy": evaluate(llm, tokenizer)})
+    records.append({"setup": name, "final_accuracy": evaluate(llm, tokenizer),
+                    "weights_sha256": learner.weights_sha256()})  # fmt: skip
     del learner
     return records
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> Path:
-    """PNG: reward and token multiplicative probability error per step, per setup."""
+def figure(records: list[dict[str, Any]]):
+    """Reward per step, and the sampler/learner mismatch per step on a log scale
+    (``token_mult_prob_error - 1``: 0, drawn at the bottom, means every log-prob bitwise equal)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,41 +360,113 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
     for setup in dict.fromkeys(r["setup"] for r in records):
         rows = [r for r in records if r["setup"] == setup and "step" in r]
         steps = [r["step"] for r in rows]
+        excess = [r["token_mult_prob_error"] - 1.0 for r in rows]
+        if all(e == 0.0 for e in excess):
+            setup += " (exactly 0: bitwise equal)"
         ax1.plot(steps, [r["reward"] for r in rows], marker="o", label=setup)
-        ax2.plot(steps, [r["token_mult_prob_error"] for r in rows], marker="o", label=setup)
-    ax1.set(xlabel="GRPO step", ylabel="mean reward", title="reward")
-    ax2.set(xlabel="GRPO step", ylabel="token_mult_prob_error", title="sampler/learner mismatch")
-    ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax1.legend()
-    ax2.legend()
+        ax2.plot(steps, excess, marker="o", label=setup)
+    ax1.set(xlabel="GRPO step", ylabel="mean reward",
+            title="reward (one seed: not a learning-speed comparison)")  # fmt: skip
+    ax2.set_yscale("symlog", linthresh=1e-6)  # logarithmic above 1e-6, so that 0 can be drawn
+    ax2.set_ylim(bottom=0.0)
+    ax2.set(xlabel="GRPO step", ylabel="token_mult_prob_error - 1 (log)",
+            title="sampler/learner mismatch")  # fmt: skip
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> Path:
+    """:func:`figure` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(records)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _setup_rows(records: list[dict[str, Any]], setup: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["setup"] == setup and "step" in r]
+
+
+def _setup_final(records: list[dict[str, Any]], setup: str) -> dict[str, Any]:
+    return next(r for r in records if r["setup"] == setup and "final_accuracy" in r)
+
+
 def summary_table(records: list[dict[str, Any]]) -> str:
-    """Per setup: mean reward first/last steps, mismatch, TIS weights, sync, accuracy, time."""
-    lines = [f"{'setup':40s} {'reward first->last':>20s} {'mult_prob_err':>14s} "
-             f"{'frac_bitwise':>13s} {'TIS mean':>9s} {'in sync':>8s} {'accuracy':>9s} "
-             f"{'s/step':>7s}"]  # fmt: skip
+    """Per setup: mean reward first/last half, mismatch (mean and worst step), TIS weights
+    (mean, range), weight sync, final greedy accuracy, time per step."""
+    lines = [f"{'setup':34s} {'reward 1st->2nd half':>20s} {'mult_prob_err':>13s} "
+             f"{'(worst step)':>12s} {'frac_bitwise':>12s} {'TIS mean':>9s} "
+             f"{'TIS min..max':>15s} {'in sync':>7s} {'accuracy':>8s} {'s/step':>6s}"]  # fmt: skip
     for setup in dict.fromkeys(r["setup"] for r in records):
-        rows = [r for r in records if r["setup"] == setup and "step" in r]
-        final = next(r["final_accuracy"] for r in records
-                     if r["setup"] == setup and "final_accuracy" in r)  # fmt: skip
+        rows = _setup_rows(records, setup)
+        final = _setup_final(records, setup)["final_accuracy"]
         half = max(len(rows) // 2, 1)
         first = sum(r["reward"] for r in rows[:half]) / half
         last = sum(r["reward"] for r in rows[-half:]) / half
         mean = {k: sum(r[k] for r in rows) / len(rows)
                 for k in ("token_mult_prob_error", "frac_bitwise_equal", "tis_weight_mean",
                           "step_s")}  # fmt: skip
+        worst = max(r["token_mult_prob_error"] for r in rows)
+        tis_min = min(r["tis_weight_min"] for r in rows)
+        tis = f"{tis_min:.3f}..{max(r['tis_weight_max'] for r in rows):.3f}"
         sync = {r["weights_bitwise_in_sync"] for r in rows}
-        lines.append(f"{setup:40s} {first:9.3f} -> {last:7.3f} "
-                     f"{mean['token_mult_prob_error']:14.6f} {mean['frac_bitwise_equal']:13.4f} "
-                     f"{mean['tis_weight_mean']:9.5f} "
-                     f"{str(sync.pop() if len(sync) == 1 else sync):>8s} {final:9.2f} "
-                     f"{mean['step_s']:7.2f}")  # fmt: skip
+        lines.append(f"{setup:34s} {first:9.3f} -> {last:7.3f} "
+                     f"{mean['token_mult_prob_error']:13.6f} {worst:12.6f} "
+                     f"{mean['frac_bitwise_equal']:12.4f} {mean['tis_weight_mean']:9.5f} "
+                     f"{tis:>15s} {str(sync.pop() if len(sync) == 1 else sync):>7s} "
+                     f"{final:8.2f} {mean['step_s']:6.2f}")  # fmt: skip
     return "\n".join(lines)
+
+
+def findings(records: list[dict[str, Any]]) -> str:
+    """What the run shows, and no more: exact log-probs and TIS = 1 where every token was bitwise
+    equal, the usual setup's mismatch and its worst steps, and what depends on the machine."""
+    out = ["What this run shows:"]
+    for setup in dict.fromkeys(r["setup"] for r in records):
+        rows = _setup_rows(records, setup)
+        tokens = sum(r["tokens"] for r in rows)
+        exact = all(r["frac_bitwise_equal"] == 1.0 for r in rows)
+        if exact and all(r["tis_weight_min"] == r["tis_weight_max"] == 1.0 for r in rows):
+            synced = all(r["weights_bitwise_in_sync"] for r in rows)
+            out.append(f"- {setup}: all {tokens} sampled tokens of {len(rows)} steps scored "
+                       f"bitwise equal by sampler and learner; every TIS weight exactly 1"
+                       f"{'; vLLM held the learner bits after every weight sync' if synced else ''}"
+                       ".")  # fmt: skip
+        else:
+            by_err = sorted(rows, key=lambda r: r["token_mult_prob_error"], reverse=True)
+            worst = ", ".join(f"step {r['step']}: {r['token_mult_prob_error']:.4f}"
+                              for r in by_err[:3])  # fmt: skip
+            median = sorted(r["token_mult_prob_error"] for r in rows)[len(rows) // 2]
+            equal = sum(r["frac_bitwise_equal"] * r["tokens"] for r in rows) / tokens
+            out.append(f"- {setup}: sampler and learner disagree on {1 - equal:.1%}"
+                       f" of {tokens} tokens; token_mult_prob_error median {median:.4f}, worst "
+                       f"{worst}; TIS weights {min(r['tis_weight_min'] for r in rows):.3f}.."
+                       f"{max(r['tis_weight_max'] for r in rows):.3f}.")  # fmt: skip
+    out.append("- Reward: one seed, a few dozen steps of a toy task. The curves of the setups are "
+               "not evidence that one learns faster than the other.")  # fmt: skip
+    strict = [s for s in dict.fromkeys(r["setup"] for r in records) if "strict" in s]
+    for setup in strict:
+        digest = _setup_final(records, setup)["weights_sha256"]
+        out.append(f"- Machine-independent: every figure of '{setup}' and its final learner "
+                   f"weights (sha256 {digest[:16]}) come from fixed-order ops only, so they do not "
+                   "depend on the CPU's instruction set or thread count (tested: AVX2 vs AVX-512/"
+                   "AMX kernels, 1 vs 2 threads).")  # fmt: skip
+    others = [s for s in dict.fromkeys(r["setup"] for r in records) if s not in strict]
+    if others:
+        out.append(f"- Machine-dependent: the figures of {', '.join(repr(s) for s in others)} "
+                   "(BF16 GEMMs through oneDNN/BLAS and torch's reductions, whose bits follow the "
+                   "CPU's instruction set and the thread count), and all times.")  # fmt: skip
+    return "\n".join(out)
+
+
+def config_json(cfg: DemoConfig) -> dict[str, Any]:
+    """The configuration as JSON types: numbers and booleans as such, paths as strings, no
+    model as ``null``."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
@@ -362,11 +504,12 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
                           log=log)  # fmt: skip
     stop_sampler(llm)
 
-    report = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
+    report = {"config": config_json(cfg),
               "recipe": cfg.recipe.fingerprint(), "records": records,
               "wall_s": time.perf_counter() - started}  # fmt: skip
     (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
     png = plot(records, cfg.out / "report.png")
     log(summary_table(records))
+    log(findings(records))
     log(f"report: {cfg.out / 'report.json'}, plot: {png}, wall time {report['wall_s']:.0f} s")
     return report

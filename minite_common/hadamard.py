@@ -36,12 +36,22 @@ def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """Apply the RHT to blocks of 16 along the last dimension of ``x``; returns BF16.
 
     The last dimension must be a multiple of 16 (pad tokens with zeros, which the transform keeps
-    zero and which add nothing to a wgrad product).
+    zero and which add nothing to a wgrad product). The sums run in float64 in a fixed butterfly
+    order, rounded to float32 and then to BF16: the same bits on every CPU.
     """
     if x.shape[-1] % RHT_SIZE:
         raise ValueError(
             f"random_hadamard_transform: last dimension {x.shape[-1]} is not a multiple of 16; "
             "zero-pad the token dimension first"
         )
-    blocks = x.float().reshape(-1, RHT_SIZE)
-    return (blocks @ rht_matrix(x.device)).reshape(x.shape).to(torch.bfloat16)
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float64, device=x.device)
+    y = x.double().reshape(-1, RHT_SIZE) * signs  # exact
+    # ``blocks @ rht_matrix()`` as a fast Walsh-Hadamard transform in float64, in one fixed order
+    # (not a BLAS GEMM, whose summation order and hence bits depend on the CPU): Sylvester's H16
+    # is symmetric, so stage by stage ``[a, b] -> [a + b, a - b]`` over halves of 8, 4, 2, 1.
+    h = 1
+    while h < RHT_SIZE:
+        y = y.view(-1, RHT_SIZE // (2 * h), 2, h)
+        y = torch.cat([y[:, :, :1] + y[:, :, 1:], y[:, :, :1] - y[:, :, 1:]], dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * 0.25).to(torch.float32).to(torch.bfloat16)

@@ -10,7 +10,8 @@ its head, its token's keys), never of the batch size, the row's position in memo
 count, or the other rows. Two rules make that hold by construction:
 
 - **Only correctly rounded arithmetic.** Every value comes from IEEE-754 add, sub, mul, div and
-  sqrt, comparisons, and exact or round-to-nearest-even conversions, applied elementwise (torch
+  sqrt (:func:`sqrt`: torch's goes through MKL on x86 and is not correctly rounded there),
+  comparisons, and exact or round-to-nearest-even conversions, applied elementwise (torch
   applies these identically in its vectorized loop bodies and its scalar tails). Transcendental
   functions (exp, log, sin, cos) are evaluated here in float64 from those operations (Cody-Waite
   range reduction and a polynomial) and rounded once to float32: torch's own kernels use
@@ -22,9 +23,13 @@ count, or the other rows. Two rules make that hold by construction:
   masked ones give the same bits.
 
 No multiply-add is ever fused (separate torch ops in eager mode); compiling these functions with
-``torch.compile`` could fuse them and is not supported. The forward is the contract; gradients
-(for the learner) use plain torch formulas where it is cheaper (attention, linear) and are not
-bitwise specified.
+``torch.compile`` could fuse them and is not supported. Nothing here calls a BLAS / oneDNN GEMM,
+a torch reduction (``sum``, ``softmax``, ``norm``) or a torch transcendental (``exp``, ``log``),
+whose bits depend on the CPU's instruction set (AVX2 / AVX-512 / AMX kernels, vector width) and
+the library's kernel choice: so the results are the same on every CPU, not only batch-invariant.
+The forward is the contract; the gradients (for the learner) are not bitwise specified across
+versions, but they follow the same two rules (fixed-order reductions, elementwise IEEE
+arithmetic), so a strict learner step also gives the same bits on every CPU.
 """
 
 from __future__ import annotations
@@ -125,6 +130,26 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sin, cos
 
 
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 ``sqrt(x)`` for float32 ``x >= 0`` (no gradient).
+
+    ``torch.sqrt`` goes through MKL's vector math on x86 CPUs, whose float32 results depend on
+    the instruction set (AVX2 and AVX-512 differ in the last bit). Here: a float64 square root
+    rounded to float32 (within one float32 ulp), then corrected against the two neighbouring
+    midpoints, whose squares are exact in float64 (a 25-bit number squared); a square root is
+    never exactly a midpoint, so the result is the correctly rounded one on every CPU."""
+    x = x.float()
+    y = torch.sqrt(x.double()).to(torch.float32)
+    xd = x.double()
+    up = torch.nextafter(y, torch.full_like(y, math.inf))
+    down = torch.nextafter(y, torch.zeros_like(y))
+    mid_up = (y.double() + up.double()) * 0.5
+    mid_down = (y.double() + down.double()) * 0.5
+    y = torch.where(mid_up * mid_up < xd, up, y)
+    y = torch.where((mid_down * mid_down > xd) & (y > 0), down, y)
+    return torch.where(torch.isfinite(x) & (x >= 0), y, torch.sqrt(x))
+
+
 class _Exp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -151,13 +176,40 @@ def residual_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return (x.float() + residual.float()).to(x.dtype)
 
 
+def _rms_inv(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    var = fixed_sum(xf * xf) / xf.shape[-1]
+    return 1.0 / sqrt(var + torch.tensor(eps, dtype=torch.float32, device=xf.device))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        xf = x.detach().float()
+        return ((xf * _rms_inv(xf, eps).unsqueeze(-1)) * weight.detach().float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        xf, g = x.float(), grad.float()
+        inv = _rms_inv(xf, ctx.eps).unsqueeze(-1)
+        n = xf * inv
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gn = g * weight.float()
+            mean = (fixed_sum(gn * n) / x.shape[-1]).unsqueeze(-1)
+            grad_x = (inv * (gn - n * mean)).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # rows in order, one fixed tree
+            grad_w = fixed_sum((g * n).reshape(-1, x.shape[-1]), dim=0).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, in ``x``'s dtype:
-    ``y = dtype(f32(x * r) * w)`` with ``r = 1 / sqrt(fixed_sum(x*x) / D + eps)`` in float32."""
-    xf = x.float()
-    var = fixed_sum(xf * xf) / x.shape[-1]
-    inv = 1.0 / torch.sqrt(var + torch.tensor(eps, dtype=torch.float32, device=x.device))
-    return ((xf * inv.unsqueeze(-1)) * weight.float()).to(x.dtype)
+    ``y = dtype(f32(x * r) * w)`` with ``r = 1 / sqrt(fixed_sum(x*x) / D + eps)`` in float32.
+    Backward: fixed-order formulas (the weight's gradient sums the rows with :func:`fixed_sum`)."""
+    return _RMSNorm.apply(x, weight, float(eps))
 
 
 def add_rms_norm(
@@ -239,10 +291,55 @@ def _attention_forward(
     return torch.cat(out) if out else q.new_empty(0, heads, dim_v)
 
 
+def _attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    grad: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`causal_attention` with fixed-order sums only (float32):
+    ``p = softmax(s)`` as in the forward, ``dv_j = sum_i p_ij do_i``, ``dp_ij = do_i . v_j``,
+    ``ds = p * (dp - sum_j p_ij dp_ij)``, ``dq_i = scale * sum_j ds_ij k_j``,
+    ``dk_j = scale * sum_i ds_ij q_i``; query chunks added in order, query heads of a KV group
+    added in order."""
+    tq, heads, dim = q.shape
+    tk, kv_heads, _ = k.shape
+    dim_v = v.shape[-1]
+    group = heads // kv_heads
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, Dv]
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
+    key_pos = torch.arange(tk, device=q.device)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, heads * tk * max(dim, dim_v)))
+    dq = []
+    dk = torch.zeros(heads, tk, dim, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(heads, tk, dim_v, dtype=torch.float32, device=q.device)
+    for start in range(0, tq, chunk):
+        qc = q[start : start + chunk].float().transpose(0, 1)  # [H, c, D]
+        go = grad[start : start + chunk].float().transpose(0, 1)  # [H, c, Dv]
+        s = fixed_sum(qc.unsqueeze(2) * kf.unsqueeze(1)) * scale_t  # [H, c, Tk]
+        valid = key_pos <= q_positions[start : start + chunk].unsqueeze(-1)
+        m = torch.where(valid, s, -torch.inf).amax(dim=-1, keepdim=True)
+        e = torch.where(valid, exp(torch.where(valid, s - m, -torch.inf)), 0.0)
+        p = e / fixed_sum(e).unsqueeze(-1)  # [H, c, Tk]
+        dv = dv + fixed_sum(p.unsqueeze(-1) * go.unsqueeze(2), dim=1)  # [H, Tk, Dv]
+        dp = fixed_sum(go.unsqueeze(2) * vf.unsqueeze(1))  # [H, c, Tk]
+        ds = p * (dp - fixed_sum(p * dp).unsqueeze(-1))
+        dq.append(fixed_sum(ds.unsqueeze(-1) * kf.unsqueeze(1), dim=2) * scale_t)  # [H, c, D]
+        dk = dk + fixed_sum(ds.unsqueeze(-1) * qc.unsqueeze(2), dim=1) * scale_t  # [H, Tk, D]
+    dq_t = torch.cat(dq, dim=1) if dq else q.new_zeros(heads, 0, dim, dtype=torch.float32)
+    dk = fixed_sum(dk.view(kv_heads, group, tk, dim), dim=1)
+    dv = fixed_sum(dv.view(kv_heads, group, tk, dim_v), dim=1)
+    return (dq_t.transpose(0, 1).to(q.dtype), dk.transpose(0, 1).to(k.dtype),
+            dv.transpose(0, 1).to(v.dtype))  # fmt: skip
+
+
 def _attention_plain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The same attention with torch's own matmul and softmax (gradients, tests)."""
+    """The same attention with torch's own matmul and softmax (a reference for the tests)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -262,13 +359,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, q_positions = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs, strict=True)]
-        with torch.enable_grad():
-            out = _attention_plain(*inputs, q_positions, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(grads) if n else None for n in needs), None, None)
+        dq, dk, dv = _attention_backward(q, k, v, q_positions, ctx.scale, grad)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                None, None)  # fmt: skip
 
 
 def causal_attention(
@@ -323,11 +417,12 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = (g @ w.float()).reshape(*x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.T @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)
+        g = grad.reshape(-1, grad.shape[-1]).float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # g @ w, a fixed_sum over the outputs
+            grad_x = _linear_forward(g, w.float().t()).reshape(*x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # g.T @ x, a fixed_sum over the tokens
+            grad_w = _linear_forward(g.t(), x.reshape(-1, x.shape[-1]).float().t()).to(w.dtype)
         return grad_x, grad_w
 
 
@@ -339,7 +434,8 @@ def linear(
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for high-precision (BF16) layers, batch-invariant:
     ``y[m, n] = out_dtype(fixed_sum_k(f32(x[m,k] * w[n,k])) (+ f32(bias[n])))``; products of
-    BF16 values are exact in float32. ``out_dtype`` defaults to ``x``'s dtype."""
+    BF16 values are exact in float32. ``out_dtype`` defaults to ``x``'s dtype. No BLAS: the
+    result does not depend on the CPU's GEMM kernels (the backward is fixed-order too)."""
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(f"linear: x {list(x.shape)} does not match weight {list(w.shape)}")
     y = _Linear.apply(x, w)
@@ -351,6 +447,28 @@ def linear(
 # -- MoE routing and combine, log-probs ----------------------------------------------------------
 
 
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        xf = x.detach().float()
+        e = exp(xf - xf.amax(dim=-1, keepdim=True))
+        p = e / fixed_sum(e).unsqueeze(-1)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        g = grad.float()
+        return p * (g - fixed_sum(p * g).unsqueeze(-1))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """float32 softmax over the last dimension: ``e / fixed_sum(e)``, ``e = exp(x - max x)``
+    (:func:`exp`); the backward ``p * (g - fixed_sum(p * g))`` is fixed-order too."""
+    return _Softmax.apply(x)
+
+
 def topk_routing(
     logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,22 +476,17 @@ def topk_routing(
 
     Experts are ranked by logit, ties to the lower index. With ``renormalize`` the weights are
     the softmax over the k selected logits, else the softmax over all E, taken at the selected
-    experts (both in float32 with :func:`exp` and :func:`fixed_sum`).
+    experts (both in float32 with :func:`softmax`).
     """
     lf = logits.float()
     values, order = torch.sort(lf, dim=-1, descending=True, stable=True)
     ids = order[:, :top_k]
     if renormalize:
-        top = values[:, :top_k]
-        e = exp(top - top[:, :1])
-        return e / fixed_sum(e).unsqueeze(-1), ids
-    e = exp(lf - values[:, :1])
-    return (e / fixed_sum(e).unsqueeze(-1)).gather(-1, ids), ids
+        return softmax(values[:, :top_k]), ids
+    return softmax(lf).gather(-1, ids), ids
 
 
-def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_slot weights[t, slot] * expert_out[t, slot]`` of ``expert_out`` [T, k, H] in float32,
-    slots added in order 0..k-1 (the ranking of :func:`topk_routing`), rounded once."""
+def _moe_combine_forward(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     acc = torch.zeros(
         expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device
     )
@@ -382,12 +495,62 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return acc.to(expert_out.dtype)
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """float32 ``log_softmax`` over the last dimension of ``logits``.
+class _MoECombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights):  # type: ignore[override]
+        ctx.save_for_backward(expert_out, weights)
+        return _moe_combine_forward(expert_out.detach(), weights.detach())
 
-    This one is torch's own kernel, because it is what vLLM's sampler computes its log-probs with
-    (``logits.log_softmax(-1, dtype=float32)``) and the sampler is not a replaceable op; its CPU
-    kernel treats each row alone (``tests/test_strict_alignment.py`` checks that a row gives the
-    same bits whatever the batch, layout or thread count), so both engines agree.
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        expert_out, weights = ctx.saved_tensors
+        g = grad.float()
+        grad_out = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_out = (weights.float().unsqueeze(-1) * g.unsqueeze(1)).to(expert_out.dtype)
+        if ctx.needs_input_grad[1]:  # sum over the hidden dimension: one fixed tree
+            grad_w = fixed_sum(expert_out.float() * g.unsqueeze(1)).to(weights.dtype)
+        return grad_out, grad_w
+
+
+def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_slot weights[t, slot] * expert_out[t, slot]`` of ``expert_out`` [T, k, H] in float32,
+    slots added in order 0..k-1 (the ranking of :func:`topk_routing`), rounded once."""
+    return _MoECombine.apply(expert_out, weights)
+
+
+def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    m = xf.amax(dim=-1, keepdim=True)  # exact in any order
+    s = xf.double() - m.double()
+    lse = log64(fixed_sum(exp64(s)))  # the sum is >= 1: exp(0) is one of its terms
+    return (s - lse.unsqueeze(-1)).to(torch.float32)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = _log_softmax_forward(x.detach())
+        ctx.save_for_backward(y)
+        ctx.dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        g = grad.float()
+        p = exp64(y.double()).to(torch.float32)
+        return (g - p * fixed_sum(g).unsqueeze(-1)).to(ctx.dtype)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``log_softmax`` over the last dimension of ``logits``, the same bits on every CPU:
+    ``f32((x - m) - log(fixed_sum(exp(x - m))))`` with ``m`` the row's max, evaluated in float64
+    (:func:`exp64`, :func:`log64`) and rounded once.
+
+    torch's own ``log_softmax`` kernel treats each row alone, but its bits depend on the CPU
+    (its vectorized exp and its reduction order follow the instruction set: AVX2, AVX-512, or
+    none), so strict mode uses this one on both sides: the learner's ``token_logprobs`` and vLLM's
+    sampler (``Sampler.compute_logprobs``, replaced by ``minite_vllm.strict`` in a strict engine).
     """
-    return torch.log_softmax(logits.float(), dim=-1)
+    return _LogSoftmax.apply(logits)

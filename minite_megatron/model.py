@@ -124,8 +124,10 @@ def token_logprobs(
 
     One causal forward of ``model`` (positions ``0..S-1``; with right padding, the values at
     padded positions are meaningless), logits gathered over tensor parallelism, divided by
-    ``temperature`` and normalized with :func:`minite_common.ops.log_softmax` (float32, what
-    vLLM's sampler computes). Call on every TP rank of the last pipeline stage.
+    ``temperature`` and normalized in float32 as vLLM's sampler does: torch's ``log_softmax``, or
+    in strict mode (a model finished by ``finalize_strict_model``) the fixed-order
+    :func:`minite_common.ops.log_softmax` that the strict sampler uses too. Call on every TP rank
+    of the last pipeline stage.
     """
     batch, seq_len = input_ids.shape
     device = next(model.parameters()).device
@@ -137,5 +139,9 @@ def token_logprobs(
         causal_attention_mask(seq_len, device),
         runtime_gather_output=True,
     )
-    logprobs = ops.log_softmax(logits.float() / temperature)
+    scaled = logits.float() / temperature
+    if getattr(model, "minite_strict", False):  # the same bits on every CPU, as the strict sampler
+        logprobs = ops.log_softmax(scaled)
+    else:  # what vLLM's sampler computes
+        logprobs = torch.log_softmax(scaled, dim=-1)
     return logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)

@@ -350,8 +350,9 @@ def make_strict_spec(obj: Any) -> Any:
 
 def finalize_strict_model(model: torch.nn.Module) -> None:
     """Finish a ``GPTModel`` built from a strict spec: give its attention layers the rotary base
-    and dimension (``model.rotary_base``, ``rotary_percent``) and route its output layer through
-    :func:`ops.linear`. Idempotent; raises if the model has no strict attention."""
+    and dimension (``model.rotary_base``, ``rotary_percent``), route its output layer through
+    :func:`ops.linear` and mark it ``minite_strict`` (``token_logprobs`` then normalizes with
+    :func:`ops.log_softmax`). Idempotent; raises if the model has no strict attention."""
     layers = [m for m in model.modules() if isinstance(m, StrictSelfAttention)]
     if not layers:
         raise ValueError(
@@ -367,3 +368,4 @@ def finalize_strict_model(model: torch.nn.Module) -> None:
     output = getattr(model, "output_layer", None)
     if output is not None:
         output._forward_impl = strict_linear_impl
+    model.minite_strict = True  # token_logprobs: the fixed-order ops.log_softmax

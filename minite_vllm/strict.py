@@ -14,10 +14,13 @@ With a recipe whose ``strict_ops`` is on (``MINITE_RECIPE`` or a strict miniTE c
 - LM head and MoE router (BF16): :func:`minite_common.ops.linear`; routed experts: routing,
   SwiGLU and the combine from :mod:`minite_common.ops` around the NVFP4 expert GEMMs.
 
-The log-softmax of the sampled tokens is vLLM's sampler's own (``log_softmax`` in float32, row by
-row), which :func:`minite_common.ops.log_softmax` reproduces on the learner side. Strict mode
-needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU attention
-backend.
+- The log-probs the sampler returns: vLLM's ``Sampler.compute_logprobs`` (torch's
+  ``log_softmax``, whose bits depend on the CPU's instruction set) is replaced, in a process whose
+  engine runs a strict model, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
+  the same bits on every CPU), the learner's ``token_logprobs`` in strict mode.
+
+Strict mode needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU
+attention backend.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _PAD_SLOT = -1
+
+#: ``[True]`` while the model this process built last runs a strict recipe (set when its
+#: RMSNorm layers are built; vLLM's engine core normally runs in a process of its own).
+_STRICT_LOGITS: list[bool] = []
 
 
 def strict_enabled() -> bool:
@@ -79,6 +86,7 @@ class StrictRMSNorm(RMSNorm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.minite_strict = strict_enabled()
+        _STRICT_LOGITS[:] = [True] if self.minite_strict else []  # the model built last decides
         if self.minite_strict:
             if not self.has_weight or self.variance_size_override is not None:
                 raise NotImplementedError(
@@ -137,9 +145,28 @@ STRICT_OPS: dict[type[CustomOp], type[CustomOp]] = {
 }
 
 
+def _strict_compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``Sampler.compute_logprobs``; :func:`ops.log_softmax` for a strict model."""
+    if _STRICT_LOGITS:
+        return ops.log_softmax(logits)
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def install_strict_logprobs() -> None:
+    """Route vLLM's sampler log-probs through :func:`_strict_compute_logprobs` (idempotent)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if Sampler.__dict__.get("compute_logprobs") is not _STRICT_COMPUTE_LOGPROBS:
+        Sampler.compute_logprobs = _STRICT_COMPUTE_LOGPROBS
+
+
+_STRICT_COMPUTE_LOGPROBS = staticmethod(_strict_compute_logprobs)
+
+
 def register_strict_ops() -> None:
     """Register the strict subclasses as vLLM's out-of-tree ops (idempotent). They behave exactly
     like vLLM's ops unless the engine runs a strict ``minite`` recipe."""
+    install_strict_logprobs()
     for base, strict in STRICT_OPS.items():
         name = base.__name__
         if op_registry_oot.get(name) is strict:

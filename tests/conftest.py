@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-# vLLM's CPU build: bounded KV cache, no thread pinning, no hub, no telemetry (ENVIRONMENT.md).
+# vLLM's CPU build: bounded KV cache, no thread pinning, no hub, no telemetry
+# (docs/contract.md section 10).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,6 @@
-"""Property-based tests of the NVFP4 quantizer (recipe v1, DESIGN.md section 1) against the
-independent reference in tests/nvfp4_reference.py, plus algebraic properties the contract implies.
+"""Property-based tests of the NVFP4 quantizer (recipe v1, docs/contract.md sections 1-3) against
+the independent reference in tests/nvfp4_reference.py, plus algebraic properties the contract
+implies.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def inputs(draw, dtype=None, wide=False, nonfinite=False, max_rows=20, max_block
         return torch.from_numpy(x).to(dtype)
 
 
-# 2D blocks with a per-row amax are not pinned by DESIGN.md: only used by the properties that
+# 2D blocks with a per-row amax are not pinned by docs/contract.md: only used by the properties that
 # hold under any reading of it (negation, power-of-two scaling).
 AMAX_BLOCK = st.sampled_from([("row", False), ("tensor", False), ("tensor", True)])
 

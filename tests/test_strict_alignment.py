@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,8 +134,10 @@ def test_causal_attention_decode_equals_prefill_and_matches_torch(kv_heads):
     assert torch.equal(ops.causal_attention(q, k2, v2, pos, 32**-0.5), out)
 
 
-def test_causal_attention_chunks_and_gradients(monkeypatch):
-    q, k, v = (bf16(24, 4, 16, seed=s).float().requires_grad_() for s in range(3))
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_causal_attention_chunks_and_gradients(monkeypatch, kv_heads):
+    q = bf16(24, 4, 16, seed=0).float().requires_grad_()
+    k, v = (bf16(24, kv_heads, 16, seed=s).float().requires_grad_() for s in (1, 2))
     pos = torch.arange(24)
     out = ops.causal_attention(q, k, v, pos, 0.25)
     monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 4 * 24 * 16 * 5)  # 5 queries per chunk
@@ -182,11 +188,13 @@ def test_swiglu_matches_torch():
     assert same_rows(ops.swiglu, x)
 
 
-def test_log_softmax_is_row_invariant():
-    """vLLM's sampler and the learner both use torch's kernel; it must treat rows alone."""
+def test_log_softmax_is_row_invariant_and_close_to_torch():
+    """Both engines use ops.log_softmax in strict mode (vLLM's sampler through
+    minite_vllm.strict); it treats each row alone and is within float32 rounding of torch's."""
     logits = bf16(96, 272, scale=4)
     full = ops.log_softmax(logits)
-    assert torch.equal(full, logits.log_softmax(-1, dtype=torch.float32))  # vLLM's call
+    assert full.dtype == torch.float32
+    assert torch.allclose(full, logits.log_softmax(-1, dtype=torch.float32), rtol=0, atol=2e-6)
     assert same_rows(ops.log_softmax, logits)
     assert torch.equal(ops.log_softmax(logits.view(8, 12, 272)).view(96, 272), full)
     threads = torch.get_num_threads()
@@ -195,6 +203,116 @@ def test_log_softmax_is_row_invariant():
         assert torch.equal(ops.log_softmax(logits), full)
     finally:
         torch.set_num_threads(threads)
+    x = logits.float().requires_grad_()
+    ops.log_softmax(x).gather(-1, torch.arange(96)[:, None] % 272).sum().backward()
+    ref = logits.float().requires_grad_()
+    torch.log_softmax(ref, -1).gather(-1, torch.arange(96)[:, None] % 272).sum().backward()
+    assert torch.allclose(x.grad, ref.grad, rtol=0, atol=1e-6)
+
+
+def test_sqrt_is_correctly_rounded():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(200000, generator=g) * 10.0 ** torch.randint(-30, 30, (200000,), generator=g)
+    y = ops.sqrt(x)
+    mid_up = (y.double() + torch.nextafter(y, torch.full_like(y, math.inf)).double()) / 2
+    mid_down = (y.double() + torch.nextafter(y, torch.zeros_like(y)).double()) / 2
+    assert bool((mid_down * mid_down < x.double()).all() & (mid_up * mid_up > x.double()).all())
+    special = torch.tensor([0.0, 1.0, 4.0, math.inf, -1.0, math.nan])
+    assert torch.equal(ops.sqrt(special)[:4], torch.tensor([0.0, 1.0, 2.0, math.inf]))
+    assert ops.sqrt(special)[4:].isnan().all()
+
+
+def test_strict_gradients_match_torch():
+    """The fixed-order backward formulas (RMSNorm, linear, softmax, MoE combine) against
+    autograd through torch's own ops."""
+    x, w = bf16(37, 128, seed=0).float(), bf16(128, seed=1).float() + 1
+    a = [t.clone().requires_grad_() for t in (x, w)]
+    b = [t.clone().requires_grad_() for t in (x, w)]
+    gy = bf16(37, 128, seed=2).float()
+    (ops.rms_norm(*a, 1e-6) * gy).sum().backward()
+    (F.rms_norm(b[0], (128,), b[1], 1e-6) * gy).sum().backward()
+    for p, q in zip(a, b, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    x, w = bf16(37, 64, seed=3).float(), bf16(272, 64, seed=4).float()
+    a = [t.clone().requires_grad_() for t in (x, w)]
+    b = [t.clone().requires_grad_() for t in (x, w)]
+    gy = bf16(37, 272, seed=5).float()
+    (ops.linear(*a) * gy).sum().backward()
+    ((b[0] @ b[1].T) * gy).sum().backward()
+    for p, q in zip(a, b, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    logits, gw = bf16(9, 8, seed=6).float(), bf16(9, 8, seed=7).float()
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    (ops.softmax(a) * gw).sum().backward()
+    (torch.softmax(b, -1) * gw).sum().backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    out, weights, gy = bf16(9, 2, 16, seed=8), bf16(9, 2, seed=9).float(), bf16(9, 16, seed=10)
+    a = [t.clone().float().requires_grad_() for t in (out, weights)]
+    b = [t.clone().float().requires_grad_() for t in (out, weights)]
+    (ops.moe_combine(*a) * gy.float()).sum().backward()
+    ((b[1].unsqueeze(-1) * b[0]).sum(1) * gy.float()).sum().backward()
+    for p, q in zip(a, b, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
+#: Caps every CPU kernel library at AVX2 and one thread: what an AVX2-only machine computes.
+RESTRICTED_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+_STRICT_OPS_SCRIPT = r"""
+import hashlib, torch
+from minite_common import ops, quantize_weight, random_hadamard_transform, w4a4_linear_train
+torch.manual_seed(0)
+def bf16(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).bfloat16()
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+outs = []
+x, w = leaf(bf16(70, 256)), leaf(bf16(256) + 1)
+y = ops.rms_norm(x, w, 1e-6); y.float().square().sum().backward(); outs += [y, x.grad, w.grad]
+q, k, v = leaf(bf16(40, 4, 64)), leaf(bf16(40, 2, 64)), leaf(bf16(40, 2, 64))
+y = ops.causal_attention(q, k, v, torch.arange(40), 0.125)
+y.float().square().sum().backward(); outs += [y, q.grad, k.grad, v.grad]
+x, w = leaf(bf16(70, 256)), leaf(bf16(300, 256))
+y = ops.linear(x, w); y.float().square().sum().backward(); outs += [y, x.grad, w.grad]
+z = leaf(bf16(70, 300, scale=4).float())
+lp = ops.log_softmax(z); lp[:, 7].sum().backward(); outs += [lp, z.grad]
+e, r = leaf(bf16(70, 4, 256)), leaf(bf16(70, 64).float())
+wts, ids = ops.topk_routing(r, 4, renormalize=True)
+y = ops.moe_combine(e, wts); y.float().square().sum().backward(); outs += [y, e.grad, r.grad]
+cos, sin = ops.rope_cos_sin(torch.arange(40), 64, 1e6)
+outs += [ops.swiglu(bf16(70, 512)), ops.apply_rope(bf16(40, 4, 64), cos[:, None], sin[:, None])]
+outs += [ops.sqrt(torch.rand(100000)), random_hadamard_transform(torch.randn(64, 512))]
+torch.manual_seed(1)  # the NVFP4 learner linear: stochastic rounding and the RHT in backward
+xw, ww = leaf(bf16(70, 256)), leaf(bf16(128, 256))
+y = w4a4_linear_train(xw, ww, quantize_weight(ww.detach())); y.float().square().sum().backward()
+outs += [y, xw.grad, ww.grad]
+h = hashlib.sha256()
+for t in outs:
+    h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+z = torch.randn(70, 300)  # a control: torch's own kernel, whose bits follow the CPU
+c = hashlib.sha256(torch.log_softmax(z, -1).numpy().tobytes()).hexdigest()
+print(h.hexdigest(), c)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_strict_ops_give_the_same_bits_with_restricted_cpu_kernels():
+    """Every strict op, forward and backward (and the NVFP4 learner linear's backward), gives the
+    same bits when torch, oneDNN and MKL are capped at AVX2 and one thread: the strict path uses
+    no kernel whose bits follow the CPU."""
+
+    def run(extra: dict[str, str]) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k not in RESTRICTED_CPU_ENV} | extra
+        proc = subprocess.run([sys.executable, "-c", _STRICT_OPS_SCRIPT], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split()
+
+    default, restricted = run({}), run(RESTRICTED_CPU_ENV)
+    assert default[0] == restricted[0]
+    if default[1] == restricted[1]:
+        pytest.skip("torch's log_softmax gives the same bits with AVX2 kernels here (no AVX-512)")
 
 
 def test_strict_switch_is_a_fingerprinted_recipe_field():
