@@ -3,8 +3,8 @@ activations in two fused passes, for BF16 tensor-core GEMMs (cuBLAS) in dgrad an
 
 Hopper has no FP4 MMA, so an NVFP4 GEMM runs on BF16 values ``code * f32(block scale)``, which
 are exact in BF16; the FP32 global decode scales multiply the accumulator. The backward GEMMs
-are the learner's own business (DESIGN.md section 1), so they need neither the forward's fixed K
-order nor packed codes: these kernels write the exact BF16 values ``code * scale`` directly.
+are the learner's own business (docs/contract.md section 7), so they need neither the forward's
+fixed K order nor packed codes: these kernels write the exact BF16 values ``code * scale`` directly.
 
 One input ``x`` [R, C] (R tokens, C features; any strides) gives, in the same passes:
 

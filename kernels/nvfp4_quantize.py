@@ -1,5 +1,5 @@
-"""NVFP4 quantization on the GPU: recipe v1 (DESIGN.md section 1), the same bytes as the torch
-reference ``minite_common.nvfp4.quantize_nvfp4``.
+"""NVFP4 quantization on the GPU: the contract's quantizer (docs/contract.md sections 1-3), the
+same bytes as the torch reference ``minite_common.nvfp4.quantize_nvfp4``.
 
 One kernel covers per-row amax (activations, 1x16 blocks) and per-tensor amax (weights, 16x16
 blocks); a small reduction kernel computes the per-tensor amax first. Every step is float32 with

@@ -1,4 +1,4 @@
-"""NVFP4 tensors and the recipe-v1 quantizer (DESIGN.md section 1), in plain torch.
+"""NVFP4 tensors and the contract's quantizer (docs/contract.md sections 1-3), in plain torch.
 
 This module is the reference of the format: every other implementation (the Triton kernels on the
 GPU) must produce the same bytes. All arithmetic is float32 with IEEE division and round to nearest

@@ -1,8 +1,10 @@
-"""Independent NumPy float32 reference of miniTE's NVFP4 recipe v1 (DESIGN.md section 1).
+"""Independent NumPy float32 reference of miniTE's NVFP4 quantizer and W4A4 linear
+(docs/contract.md sections 1-4).
 
-Written from DESIGN.md alone (not from the library): every step is IEEE float32 arithmetic
-(round to nearest even) on ``np.float32`` arrays/scalars, in the multiplication order DESIGN.md
-prescribes. Nothing here uses torch's float8 cast; E4M3 and E2M1 rounding are done by hand.
+Written from docs/contract.md alone (not from the library): every step is IEEE float32 arithmetic
+(round to nearest even) on ``np.float32`` arrays/scalars, in the multiplication order
+docs/contract.md prescribes. Nothing here uses torch's float8 cast; E4M3 and E2M1 rounding are
+done by hand.
 
 Recipe v1, per 16-element block along K (or 16x16 tile for 2D blocks):
 

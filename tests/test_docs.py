@@ -12,15 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Files that still cite the design notes that lived outside the repo, owned by others: each
 #: should point to docs/contract.md instead (remove it from here when it does).
-NOT_YET_UPDATED = {
-    "benchmarks/NOTES_kernels.md",
-    "kernels/nvfp4_grad.py",
-    "kernels/nvfp4_quantize.py",
-    "minite_common/nvfp4.py",
-    "minite_common/recipe.py",
-    "tests/nvfp4_reference.py",
-    "tests/test_nvfp4_contract.py",
-}
 
 
 def _tracked_files() -> list[Path]:
@@ -39,7 +30,7 @@ def test_no_reference_to_design_notes_outside_the_repo():
             continue
         if re.search(r"\b(DESIGN|ENVIRONMENT)\.md\b", path.read_text(errors="replace")):
             citing.add(str(path.relative_to(ROOT)))
-    assert citing <= NOT_YET_UPDATED, f"cite the design notes outside the repo: {sorted(citing)}"
+    assert not citing, f"cite the design notes outside the repo: {sorted(citing)}"
 
 
 def test_contract_document_covers_the_contract():

@@ -1,4 +1,4 @@
-"""Contract tests of miniTE's NVFP4 recipe v1 (DESIGN.md section 1) against an independent
+"""Contract tests of miniTE's NVFP4 quantizer (docs/contract.md sections 1-3) against an independent
 NumPy-float32 reference (tests/nvfp4_reference.py) and hand-computed values.
 
 Codes, block scales and decode scales are compared bit for bit; dequantized values and W4A4
@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
 F32 = np.float32
-# 2D blocks with a per-row amax are not pinned by DESIGN.md: see test_block_2d_with_row_amax.
+# 2D blocks with a per-row amax are not pinned by docs/contract.md: see test_block_2d_with_row_amax.
 AMAX_BLOCK = [("row", False), ("tensor", False), ("tensor", True)]
 AMAX_BLOCK_IDS = ["row-1x16", "tensor-1x16", "tensor-16x16"]
 
