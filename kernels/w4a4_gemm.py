@@ -352,8 +352,10 @@ def decode_config(rows: int) -> DecodeConfig:
     """The decode GEMM's tiles for ``rows`` rows of A (per group for MoE)."""
     if rows <= 16:
         return DecodeConfig(128, 16, 4, 2)
+    if rows <= 32:
+        return DecodeConfig(128, 32, 4, 2)
     if rows <= 64:
-        return DecodeConfig(64, 64, 4, 3)
+        return DecodeConfig(128, 64, 8, 3)
     return DecodeConfig(128, 128, 8, 3, split_k=1)
 
 
