@@ -191,10 +191,12 @@ def _hopper_backward(
 
 class _W4A4LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_q, recipe, row_amax):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, w_q, recipe, row_amax, tp_group, where):  # type: ignore[override]
         ctx.save_for_backward(x, weight, bias)
         ctx.w_q, ctx.recipe = w_q, recipe
-        return w4a4_linear(x, w_q, bias, recipe=recipe, row_amax=row_amax)
+        return w4a4_linear(
+            x, w_q, bias, recipe=recipe, row_amax=row_amax, tp_group=tp_group, where=where
+        )
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
@@ -207,7 +209,7 @@ class _W4A4LinearFunction(torch.autograd.Function):
             dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
             dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
             db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-            return dx, dw, db, None, None, None
+            return dx, dw, db, None, None, None, None, None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (need_dx or need_dw) and HOPPER_CUBLAS_BACKWARD and kernel_arch(x.device) == "sm90":
             dx, dw = _hopper_backward(g2, x2, w_q, recipe, need_dx, need_dw, x.dtype, weight.dtype)
@@ -219,7 +221,7 @@ class _W4A4LinearFunction(torch.autograd.Function):
                 dw = nvfp4_wgrad(g2, x2, recipe).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(bias.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def w4a4_linear_train(
@@ -230,11 +232,15 @@ def w4a4_linear_train(
     *,
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     row_amax: torch.Tensor | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    where: str = "w4a4_linear_train",
 ) -> torch.Tensor:
     """:func:`w4a4_linear` with NVFP4 backward into the high-precision master ``weight``.
 
     ``w_q`` must be ``quantize_weight(weight)`` (the caller caches it between optimizer steps);
-    ``row_amax`` as in :func:`w4a4_linear` (forward only).
+    ``row_amax``, ``tp_group`` and ``where`` as in :func:`w4a4_linear` (forward only). With
+    ``tp_group`` the output is the whole row-parallel result on every rank; its gradient is this
+    rank's output gradient, as for an all-reduce (whose backward is the identity).
     """
     check_weight(w_q, recipe, "w4a4_linear_train")
     if tuple(weight.shape) != tuple(w_q.shape):
@@ -242,4 +248,4 @@ def w4a4_linear_train(
             f"w4a4_linear_train: master weight {list(weight.shape)} and its quantized copy "
             f"{list(w_q.shape)} differ in shape"
         )
-    return _W4A4LinearFunction.apply(x, weight, bias, w_q, recipe, row_amax)
+    return _W4A4LinearFunction.apply(x, weight, bias, w_q, recipe, row_amax, tp_group, where)

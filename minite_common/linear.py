@@ -58,8 +58,10 @@ def _round_int64_to_float32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(negative, -rounded, rounded)
 
 
-def exact_block_dot(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
-    """``acc[m,n]``: the exact sum of block products of ``a`` [M,K] and ``w`` [N,K], in float32."""
+def exact_block_sum(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """``acc[m,n] * 2^20`` as exact int64: the block products of ``a`` [M,K] and ``w`` [N,K]
+    summed without rounding. Sums of such values over disjoint K slices (tensor-parallel shards)
+    are exact in any order, up to a total K of :data:`MAX_K`."""
     if a.cols > MAX_K:
         raise ValueError(f"K={a.cols} exceeds the exact torch GEMM's limit of {MAX_K}")
     a_int = _integer_operand(a)
@@ -68,8 +70,34 @@ def exact_block_dot(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
     a_low = a_int - a_high * 2**_SPLIT_BITS
     high = (a_high @ w_int.T).long()
     low = (a_low @ w_int.T).long()
-    acc = _round_int64_to_float32((high << _SPLIT_BITS) + low)
-    return acc * 2.0**-_PRODUCT_SHIFT
+    return (high << _SPLIT_BITS) + low
+
+
+def round_exact_sum(total: torch.Tensor) -> torch.Tensor:
+    """``acc`` in float32 from the int64 ``acc * 2^20`` of :func:`exact_block_sum` (one rounding,
+    nearest even)."""
+    return _round_int64_to_float32(total) * 2.0**-_PRODUCT_SHIFT
+
+
+def exact_block_dot(a: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """``acc[m,n]``: the exact sum of block products of ``a`` [M,K] and ``w`` [N,K], in float32."""
+    return round_exact_sum(exact_block_sum(a, w))
+
+
+def gemm_epilogue(
+    acc: torch.Tensor,
+    a_decode_scale: torch.Tensor,
+    w_decode_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The contract's epilogue on a float32 accumulator ``[M, N]`` (CPU path):
+    ``out_dtype(f32(f32(acc * a_dec[m]) * w_dec[n]) + bias[n])``."""
+    a_dec = a_decode_scale.unsqueeze(-1) if a_decode_scale.dim() else a_decode_scale
+    y = (acc * a_dec) * w_decode_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def gemm_path(device: torch.device | str) -> str:
@@ -95,12 +123,7 @@ def nvfp4_gemm(
         raise ValueError(f"NVFP4 GEMM: activation on {a.device}, weight on {w.device}")
     if kernel_arch(a.device):
         return minite_kernels.nvfp4_gemm(a, w, bias, out_dtype)
-    acc = exact_block_dot(a, w)
-    a_dec = a.decode_scale.unsqueeze(-1) if a.decode_scale.dim() else a.decode_scale
-    y = (acc * a_dec) * w.decode_scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
+    return gemm_epilogue(exact_block_dot(a, w), a.decode_scale, w.decode_scale, bias, out_dtype)
 
 
 def check_weight(w: object, recipe: NVFP4Recipe, where: str = "w4a4_linear") -> NVFP4Tensor:
@@ -152,6 +175,8 @@ def w4a4_linear(
     *,
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     row_amax: torch.Tensor | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    where: str = "w4a4_linear",
 ) -> torch.Tensor:
     """NVFP4 W4A4 linear: quantize ``x`` [..., K] per row, multiply by ``w`` [N, K], x's dtype out.
 
@@ -159,6 +184,12 @@ def w4a4_linear(
     Rows containing NaN/Inf come out NaN. ``row_amax`` (one float32 per row) replaces the
     activation amax computed from ``x``: the amax of the whole row when ``x`` is a
     tensor-parallel slice of it (see :func:`row_amax`).
+
+    ``tp_group``: ``x`` and ``w`` are this rank's K slices of a row-parallel linear over that
+    group; the whole row's amax is reduced (unless given) and the ranks' partial accumulators are
+    combined deterministically (:mod:`minite_common.parallel`, collective), so every rank returns
+    bitwise the unsharded linear's output, ``bias`` (whole, on every rank) added once.
+    Unsupported K splits raise naming ``where``.
     """
     check_weight(w, recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
@@ -183,8 +214,17 @@ def w4a4_linear(
         if recipe.activation_amax != "row":
             raise ValueError("w4a4_linear: row_amax needs a recipe with activation_amax='row'")
         _check_row_amax(row_amax, x2)
-    a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
-    y = nvfp4_gemm(a, w, bias, out_dtype=x.dtype)
+    from . import parallel  # parallel builds on this module
+
+    if parallel.group_size(tp_group) > 1:
+        if recipe.activation_amax != "row":
+            raise ValueError(f"{where}: a row-parallel W4A4 linear needs activation_amax='row'")
+        parallel.check_tp_split(w.cols, parallel.group_size(tp_group), x.device, where)
+        a = parallel.quantize_row_slices(x2, recipe, tp_group, row_amax)
+        y = parallel.row_parallel_gemm(a, w, bias, x.dtype, tp_group, where)
+    else:
+        a = quantize_nvfp4(x2, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
+        y = nvfp4_gemm(a, w, bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], w.rows)
 
 
@@ -216,6 +256,8 @@ def grouped_w4a4_linear(
     *,
     recipe: NVFP4Recipe = DEFAULT_RECIPE,
     row_amax: torch.Tensor | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    where: str = "grouped_w4a4_linear",
 ) -> torch.Tensor:
     """W4A4 linear for MoE experts: ``x`` [T, K] holds rows grouped by expert (group g has
     ``group_sizes[g]`` consecutive rows, summing to T); ``w`` stacks the G expert weights as
@@ -225,10 +267,15 @@ def grouped_w4a4_linear(
     ``row_amax`` as in :func:`w4a4_linear`. On a GPU, ``group_sizes`` may be a device tensor
     (e.g. ``torch.bincount`` of the routed expert ids): the kernel reads it there, so the call
     never synchronizes with the host and can be captured in a CUDA graph (its sum is then not
-    checked on the host; rows past the sum are left unwritten).
+    checked on the host; rows past the sum are left unwritten). ``tp_group``, ``where``: as in
+    :func:`w4a4_linear` (row-parallel experts under expert TP, combined deterministically; the
+    group sizes are then read on the host).
     """
     check_weight(w, recipe, "grouped_w4a4_linear")
-    on_device = isinstance(group_sizes, torch.Tensor) and bool(kernel_arch(x.device))
+    from . import parallel  # parallel builds on this module
+
+    tp = parallel.group_size(tp_group) > 1
+    on_device = isinstance(group_sizes, torch.Tensor) and bool(kernel_arch(x.device)) and not tp
     if on_device:
         groups = group_sizes.numel()
     else:
@@ -246,6 +293,10 @@ def grouped_w4a4_linear(
             f"weight {list(w.shape)} (need G dividing the weight rows and sizes summing to T)"
         )
     n = w.rows // groups
+    if tp:
+        parallel.check_tp_split(w.cols, parallel.group_size(tp_group), x.device, where)
+        a = parallel.quantize_row_slices(x, recipe, tp_group, row_amax)
+        return parallel.grouped_row_parallel_gemm(a, w, sizes, x.dtype, tp_group, where)
     a = quantize_nvfp4(x, amax=recipe.activation_amax, recipe=recipe, global_amax=row_amax)
     if kernel_arch(x.device):
         return minite_kernels.grouped_nvfp4_gemm(

@@ -47,6 +47,9 @@ class NVFP4Recipe:
     first ``bf16_first_layers`` and the last ``bf16_last_layers`` decoder layers. ``strict_ops``
     (strict mode, off by default) makes both engines run the ops between the linears and the
     BF16 GEMMs through :mod:`minite_common.ops` too, so their log-probs agree bitwise on CPU.
+    ``tp_invariant`` (off by default, implied by ``strict_ops``) makes row-parallel linears
+    combine the ranks' partial accumulators deterministically (:mod:`minite_common.parallel`)
+    instead of all-reducing rounded outputs, so their outputs do not depend on the TP degree.
     """
 
     block_size: int = 16
@@ -58,6 +61,7 @@ class NVFP4Recipe:
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     strict_ops: bool = False
+    tp_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size != 16:
@@ -79,12 +83,13 @@ class NVFP4Recipe:
             check_module_pattern(pattern, "NVFP4Recipe.bf16_modules")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field (``strict_ops`` only when on) plus the contract
-        version."""
+        """A JSON-ready dict of every field (``strict_ops`` and ``tp_invariant`` only when on) plus
+        the contract version."""
         d = dataclasses.asdict(self)
         d["bf16_modules"] = list(self.bf16_modules)
-        if not self.strict_ops:  # absent when off: recipes written before it keep their fingerprint
-            del d["strict_ops"]
+        for flag in ("strict_ops", "tp_invariant"):
+            if not d[flag]:  # absent when off: recipes written before it keep their fingerprint
+                del d[flag]
         d["contract_version"] = CONTRACT_VERSION
         return d
 
@@ -106,6 +111,12 @@ class NVFP4Recipe:
         if "bf16_modules" in d:
             d["bf16_modules"] = tuple(d["bf16_modules"])
         return cls(**d)
+
+    @property
+    def deterministic_tp(self) -> bool:
+        """Whether row-parallel linears use the TP-invariant reduction (``tp_invariant`` or
+        ``strict_ops``)."""
+        return self.tp_invariant or self.strict_ops
 
     def fingerprint(self) -> str:
         """Stable identifier of this recipe: equal fingerprints mean identical numerics."""

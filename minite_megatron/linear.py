@@ -30,6 +30,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -39,9 +41,13 @@ from minite_common import (
     NVFP4Recipe,
     NVFP4Tensor,
     cat_rows,
-    quantize_weight,
-    row_amax,
     w4a4_linear_train,
+)
+from minite_common.parallel import (
+    check_tp_split,
+    first_rank_only,
+    quantize_weight_shards,
+    tp_row_amax,
 )
 
 from .compat import accepted_kwargs
@@ -131,15 +137,10 @@ class NVFP4LinearMixin:
             part: torch.cat([w[s.local_start : s.local_start + s.rows] for s in segments])
             for part, segments in by_part.items()
         }
-        amax = torch.stack([r.float().abs().amax() for r in rows.values()])
-        if get_pg_size(self.tp_group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-        quantized = {
-            part: quantize_weight(
-                r, recipe=self.recipe, name=f"{self.minite_role}.{part}", global_amax=a
-            )
-            for (part, r), a in zip(rows.items(), amax, strict=True)
-        }
+        shards = [(f"{self.minite_role}.{part}", r) for part, r in rows.items()]
+        quantized = dict(
+            zip(rows, quantize_weight_shards(shards, self.recipe, self.tp_group), strict=True)
+        )
         taken = dict.fromkeys(by_part, 0)
         pieces = []
         for s in self.row_segments:
@@ -176,12 +177,21 @@ class NVFP4LinearMixin:
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         w_q = self.quantized_weight() if weight is self.weight else self.quantize(weight)
-        amax = None
-        if isinstance(self, RowParallelLinear) and get_pg_size(self.tp_group) > 1:
-            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
-            amax = row_amax(input)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not isinstance(self, RowParallelLinear) or get_pg_size(self.tp_group) == 1:
+            return w4a4_linear_train(input, weight, w_q, bias, recipe=self.recipe)
+        if self.recipe.deterministic_tp:  # the whole output on every rank (see forward)
+            return w4a4_linear_train(
+                input, weight, w_q, bias, recipe=self.recipe, tp_group=self.tp_group,
+                where=self.minite_where,
+            )  # fmt: skip
+        # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+        amax = tp_row_amax(input, self.tp_group)
         return w4a4_linear_train(input, weight, w_q, bias, recipe=self.recipe, row_amax=amax)
+
+    @property
+    def minite_where(self) -> str:
+        """The layer's name in error messages."""
+        return f"{type(self).__name__} ({self.minite_role})"
 
     def __repr__(self) -> str:
         megatron_repr = super().__repr__()  # "Class(in_features=..., TP=n)"
@@ -237,9 +247,17 @@ class MiniTERowParallelLinear(NVFP4LinearMixin, RowParallelLinear):
 
     With TP > 1 each rank quantizes its K slice of the activation with the whole row's amax
     (one MAX all-reduce of a float per token), so every block gets the codes and scales it gets
-    at TP = 1; Megatron's all-reduce then sums the BF16 partial outputs, so the result differs
-    from TP = 1 in the accumulation order only (see ``docs/megatron.md``).
+    at TP = 1. Then, by default, Megatron's all-reduce sums the BF16 partial outputs, so the
+    result differs from TP = 1 in the accumulation order only; with a recipe whose
+    ``deterministic_tp`` holds (``tp_invariant`` or ``strict_ops``) the ranks' partial
+    accumulators are combined by :mod:`minite_common.parallel` instead, so the output is TP = 1's
+    bitwise (see ``docs/megatron.md``). Expert linears (``explicit_expert_comm``), whose sum the
+    token dispatcher does, then hand the whole output to tensor-parallel rank 0 and ``-0.0`` to
+    the others (the dispatcher's sum then gives it bitwise) unless ``output_is_final`` (set by
+    :class:`~minite_megatron.strict.StrictMoELayer`, which reduces nothing).
     """
+
+    output_is_final = False
 
     def __init__(
         self,
@@ -256,6 +274,28 @@ class MiniTERowParallelLinear(NVFP4LinearMixin, RowParallelLinear):
         role = kwargs.get("tp_comm_buffer_name") or "linear"
         segments = single_segment(_SINGLE_PART.get(role, role), output_size)
         self._init_nvfp4(recipe, role, segments)
+        tp = get_pg_size(self.tp_group)
+        if recipe.deterministic_tp and tp > 1:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            check_tp_split(self.input_size_per_partition, tp, device, self.minite_where)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Megatron's forward; with the TP-invariant reduction its all-reduce (or reduce-scatter)
+        is replaced by :func:`minite_common.w4a4_linear`'s deterministic combine (same
+        gradients: each rank's partial receives the output gradient)."""
+        if not self.recipe.deterministic_tp or get_pg_size(self.tp_group) == 1:
+            return super().forward(input_)
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output = self._forward_impl(input=input_, weight=self.weight)
+        if self.explicit_expert_comm:
+            if not self.output_is_final:
+                output = first_rank_only(output, self.tp_group)
+        elif self.sequence_parallel:
+            output = scatter_to_sequence_parallel_region(output, group=self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias if self.skip_bias_add else None
+        return output + self.bias, None
 
 
 def invalidate_quantized_weights(model: torch.nn.Module) -> int:

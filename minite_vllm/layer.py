@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from minite_common import NVFP4Recipe, NVFP4Tensor, cat_rows, quantize_weight
+from minite_common import NVFP4Recipe, NVFP4Tensor, cat_rows
 from minite_common.checkpoint import check_nvfp4_state_tensor
 from minite_common.nvfp4 import BLOCK
+from minite_common.parallel import ProcessGroup, quantize_weight_shards
 
 #: Checkpoint tensor suffixes of one quantized HF weight, in minite_common.checkpoint's order.
 SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
@@ -65,27 +66,15 @@ def check_divisible(names: list[str], what: str, size: int, fix: str) -> None:
 def quantize_shards(
     shards: list[tuple[Part, torch.Tensor]],
     recipe: NVFP4Recipe,
-    reduce_amax: Callable[[torch.Tensor], torch.Tensor],
+    group: ProcessGroup | None,
 ) -> list[tuple[Part, NVFP4Tensor]]:
     """Quantize each part's rank-local BF16 shard (all a rank holds while loading) with the amax
-    of the whole HF tensor.
-
-    ``reduce_amax`` MAX-reduces the vector of per-shard amaxes over the ranks that shard these
-    tensors, in one collective, so every rank holds the tiles ``quantize_weight`` gives for the
-    full tensor. All ranks call this with the same parts in the same order (vLLM loads and
-    processes layers in checkpoint order on every rank).
-    """
-    for part, shard in shards:  # before the collective, which a failing rank would not join
-        if not bool(torch.isfinite(shard).all()):
-            raise ValueError(
-                f"{part.hf_name}.weight: holds NaN/Inf values; refusing to quantize it"
-            )
-    amax = torch.stack([shard.abs().amax().float() for _, shard in shards])
-    amax = reduce_amax(amax)
-    return [
-        (part, quantize_weight(shard, recipe=recipe, name=f"{part.hf_name}.weight", global_amax=a))
-        for (part, shard), a in zip(shards, amax, strict=True)
-    ]
+    of the whole HF tensor over ``group`` (:func:`minite_common.parallel.quantize_weight_shards`).
+    All ranks call this with the same parts in the same order (vLLM loads and processes layers
+    in checkpoint order on every rank)."""
+    named = [(f"{part.hf_name}.weight", shard) for part, shard in shards]
+    quantized = quantize_weight_shards(named, recipe, group)
+    return [(part, t) for (part, _), t in zip(shards, quantized, strict=True)]
 
 
 class NVFP4LayerMixin:
@@ -93,7 +82,7 @@ class NVFP4LayerMixin:
 
     Subclasses set ``recipe``, ``prequantized``, ``parts`` (in row order per stem), ``stems``,
     ``out_dtype`` and ``loaded`` in ``create_weights`` and implement :meth:`parts_for_load`,
-    :meth:`bf16_scratch` and :meth:`reduce_amax`.
+    :meth:`bf16_scratch` and :meth:`amax_group`.
     """
 
     recipe: NVFP4Recipe
@@ -115,8 +104,8 @@ class NVFP4LayerMixin:
         the vLLM loader that narrows a full HF tensor into it."""
         raise NotImplementedError
 
-    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """MAX-reduce a vector of per-shard amaxes over the ranks that shard this layer."""
+    def amax_group(self) -> ProcessGroup | None:
+        """The process group of the ranks that shard this layer's HF tensors (None: unsharded)."""
         raise NotImplementedError
 
     def bf16_standin(self, layer: torch.nn.Module, param_name: str) -> torch.nn.Parameter:

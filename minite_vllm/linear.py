@@ -15,12 +15,12 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
-from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_tp_weight_quant
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from minite_common import row_amax, w4a4_linear
+from minite_common import w4a4_linear
+from minite_common.parallel import ProcessGroup, check_tp_split, first_rank_only, tp_row_amax
 
 from .layer import SUFFIXES, NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -66,6 +66,18 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
                 "packed_modules_mapping does not describe it"
             )
         check_divisible(self.hf_names, "the input size per rank", input_size_per_partition, _FIX)
+        self.tp_output_is_final = False
+        if (
+            isinstance(layer, RowParallelLinear)
+            and layer.tp_size > 1
+            and self.recipe.deterministic_tp
+        ):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            check_tp_split(input_size_per_partition, layer.tp_size, device, layer.prefix)
+            # The combine leaves the whole output on every rank: vLLM must not all-reduce it.
+            # A layer whose model reduces it later (reduce_results=False) gets it on rank 0 only.
+            self.tp_output_is_final = layer.reduce_results
+            layer.reduce_results = False
         for name, rows in zip(self.hf_names, output_partition_sizes, strict=True):
             check_divisible([name], "the output size per rank", rows, _FIX)
         starts = [0, *itertools.accumulate(output_partition_sizes)]
@@ -138,9 +150,9 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         scratch.tp_rank, scratch.tp_size = layer.tp_rank, layer.tp_size
         return scratch, self.loader
 
-    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """MAX-reduce per-shard amaxes over the tensor-parallel group (no-op without TP)."""
-        return amax_for_tp_weight_quant(amax, get_tensor_model_parallel_world_size() > 1)
+    def amax_group(self) -> ProcessGroup | None:
+        """The TP group (every linear but a replicated one splits its HF tensors over it)."""
+        return get_tp_group().device_group if get_tensor_model_parallel_world_size() > 1 else None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -151,7 +163,7 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
             self.check_complete(layer.prefix, ("weight",), touched_only=False)
             weight = layer.weight.data
             shards = [(p, weight.narrow(0, p.row_start, p.rows)) for p in self.parts]
-            quantized = quantize_shards(shards, self.recipe, self.reduce_amax)
+            quantized = quantize_shards(shards, self.recipe, self.amax_group())
             self._register_quantized(layer, weight.device)
             for part, t in quantized:
                 self.write_part(layer, part, t)
@@ -161,14 +173,17 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        amax = None
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
-            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
-            amax = row_amax(x)
-            torch.distributed.all_reduce(
-                amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
-            )
-        return w4a4_linear(x, self.gemm_weight(layer, ""), bias, recipe=self.recipe, row_amax=amax)
+        w = self.gemm_weight(layer, "")
+        if not isinstance(layer, RowParallelLinear) or layer.tp_size == 1:
+            return w4a4_linear(x, w, bias, recipe=self.recipe)
+        group = get_tp_group().device_group
+        if self.recipe.deterministic_tp:  # the whole output on every rank, bias (whole) once
+            bias = None if layer.skip_bias_add else layer.bias
+            y = w4a4_linear(x, w, bias, recipe=self.recipe, tp_group=group, where=layer.prefix)
+            return y if self.tp_output_is_final else first_rank_only(y, group)
+        # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+        amax = tp_row_amax(x, group)
+        return w4a4_linear(x, w, bias, recipe=self.recipe, row_amax=amax)
 
 
 def _hf_rows(layer: torch.nn.Module, output_size: int) -> list[int]:

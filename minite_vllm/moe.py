@@ -13,18 +13,18 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed import get_tp_group
+from vllm.distributed import get_ep_group, get_tp_group
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
-from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_moe_weight_quant
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.utils import set_weight_attrs
 
-from minite_common import expert_counts, grouped_w4a4_linear, row_amax
+from minite_common import expert_counts, grouped_w4a4_linear
 from minite_common.grouped import expert_swiglu
 from minite_common.ops import moe_combine
+from minite_common.parallel import ProcessGroup, check_tp_split, first_rank_only, tp_row_amax
 
 from .layer import SUFFIXES, NVFP4LayerMixin, Part, check_divisible, quantize_shards
 
@@ -90,6 +90,10 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
         check_divisible(names, "the hidden size", hidden, _FIX)
         check_divisible(names, "the expert intermediate size per rank", inter, _FIX)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        tp_size = self.moe.moe_parallel_config.tp_size
+        if tp_size > 1 and self.recipe.deterministic_tp:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            check_tp_split(inter, tp_size, device, f"{layer.layer_name} (down_proj)")
         self.out_dtype = params_dtype
         self.weight_attrs = extra_weight_attrs
         full_inter = inter * self.moe.moe_parallel_config.tp_size
@@ -157,9 +161,10 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             self.num_experts, *shape, dtype=dtype, device=device
         ), layer.weight_loader
 
-    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """MAX-reduce per-shard amaxes over the ranks that tensor-shard the experts."""
-        return amax_for_moe_weight_quant(amax, self.moe.moe_parallel_config.tp_size)
+    def amax_group(self) -> ProcessGroup | None:
+        """The ranks that tensor-shard the experts (vLLM flattens that sharding over its EP group's
+        span); None without expert tensor parallelism."""
+        return get_ep_group().device_group if self.moe.moe_parallel_config.tp_size > 1 else None
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -172,7 +177,7 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             shards = [
                 (p, weights[p.stem][p.expert].narrow(0, p.row_start, p.rows)) for p in self.parts
             ]
-            quantized = quantize_shards(shards, self.recipe, self.reduce_amax)
+            quantized = quantize_shards(shards, self.recipe, self.amax_group())
             self._register_quantized(layer, weights["w13_"].device)
             for part, t in quantized:
                 self.write_part(layer, part, t)
@@ -204,16 +209,32 @@ class MiniteMoEMethod(NVFP4LayerMixin, FusedMoEMethodBase):
             rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe
         )
         act = expert_swiglu(gate_up)
-        amax = None
-        if self.moe.moe_parallel_config.tp_size > 1:
-            # Each rank holds a K slice of every row: quantize it with the whole row's amax.
-            amax = row_amax(act)
-            torch.distributed.all_reduce(
-                amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
-            )
-        down = grouped_w4a4_linear(
-            act, self.gemm_weight(layer, "w2_"), group_sizes, recipe=self.recipe, row_amax=amax
-        )
+        down = self.down_proj(layer, act, group_sizes)
         per_slot = torch.empty_like(down)
         per_slot[order] = down
-        return moe_combine(per_slot.view(tokens, top_k, self.hidden), topk_weights)
+        return self.tp_output(moe_combine(per_slot.view(tokens, top_k, self.hidden), topk_weights))
+
+    def down_proj(
+        self, layer: RoutedExperts, act: torch.Tensor, group_sizes: torch.Tensor | list[int]
+    ) -> torch.Tensor:
+        """The experts' down GEMM of ``act`` (rows grouped by expert): with expert TP, this
+        rank's K slice quantized with the whole row's amax, and, under the recipe's TP-invariant
+        reduction, the whole output (``grouped_w4a4_linear(..., tp_group=)``)."""
+        w2 = self.gemm_weight(layer, "w2_")
+        if self.moe.moe_parallel_config.tp_size == 1:
+            return grouped_w4a4_linear(act, w2, group_sizes, recipe=self.recipe)
+        group = get_tp_group().device_group
+        if self.recipe.deterministic_tp:
+            return grouped_w4a4_linear(
+                act, w2, group_sizes, recipe=self.recipe, tp_group=group, where=layer.layer_name
+            )
+        # Each rank holds a K slice of every row: quantize it with the whole row's amax.
+        amax = tp_row_amax(act, group)
+        return grouped_w4a4_linear(act, w2, group_sizes, recipe=self.recipe, row_amax=amax)
+
+    def tp_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The experts' output as vLLM will all-reduce it over TP: under the TP-invariant
+        reduction ``y`` is whole on every rank, so rank 0 keeps it and the others give -0.0."""
+        if self.moe.moe_parallel_config.tp_size > 1 and self.recipe.deterministic_tp:
+            return first_rank_only(y, get_tp_group().device_group)
+        return y
