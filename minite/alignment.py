@@ -193,6 +193,47 @@ def learner_logprobs(
     return result
 
 
+def _learner_rank(
+    rank: int, tp: int, init_file: str, model_dir: str, nvfp4: bool, recipe: dict[str, Any],
+    prompts: list[list[int]], completions: list[list[int]], out: str,
+) -> None:  # fmt: skip
+    """One tensor-parallel rank of :func:`learner_logprobs_tp` (a spawned process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from minite_megatron import build_gpt_model_from_hf
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    try:
+        model = build_gpt_model_from_hf(
+            model_dir, nvfp4=nvfp4, recipe=NVFP4Recipe.from_dict(recipe), tensor_parallel_size=tp
+        )
+        lp = learner_logprobs(model, prompts, completions)
+        if rank == 0:
+            torch.save(lp, out)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def learner_logprobs_tp(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    *, tp: int, nvfp4: bool = True, recipe: NVFP4Recipe = DEFAULT_RECIPE,
+) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`learner_logprobs` of a Megatron learner of ``model_dir`` at tensor parallelism
+    ``tp``: ``tp`` spawned processes on one gloo group (CPU) build it and score the tokens;
+    rank 0's log-probs are returned."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logprobs.pt"
+        args = (tp, str(Path(tmp) / "rendezvous"), str(model_dir), nvfp4, recipe.to_dict(),
+                [list(p) for p in prompts], [list(c) for c in completions], str(out))  # fmt: skip
+        mp.start_processes(_learner_rank, args=args, nprocs=tp, start_method="spawn")
+        return torch.load(out)
+
+
 def build_learner(model_dir: str | Path, *, nvfp4: bool, recipe: NVFP4Recipe = DEFAULT_RECIPE):
     """A Megatron ``GPTModel`` of ``model_dir`` with the miniTE spec (or the BF16 local spec)."""
     from minite_megatron import build_gpt_model_from_hf

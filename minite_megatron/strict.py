@@ -12,7 +12,10 @@ the ``GPTModel``, :func:`finalize_strict_model` gives the attention layers the m
 base and routes the output layer (LM head) through :func:`minite_common.ops.linear`.
 
 Everything here is layout (Megatron's ``[s, b, ...]`` to the ops' shapes); no formula. Strict
-mode covers tensor parallelism 1, causal self-attention without packed sequences or an inference
+mode covers tensor (and expert-tensor) parallelism, whose row-parallel NVFP4 linears then combine
+their partial accumulators deterministically (:mod:`minite_common.parallel`) so that every TP
+degree gives TP=1's bits (the LM head's logits are gathered whole before the fixed-order
+log-softmax), and causal self-attention without packed sequences or an inference
 context (the learner's scoring and training passes), and needs
 ``TransformerConfig(use_te_activation_func=True)`` so that MLPs call the spec's activation module
 (only Megatron's switch; nothing of Transformer Engine runs).
@@ -28,6 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -37,6 +44,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
 
 from minite_common import ops
 
@@ -57,14 +65,10 @@ def check_strict_config(config: TransformerConfig) -> None:
         "hidden_dropout and attention_dropout must be 0": bool(
             config.hidden_dropout or config.attention_dropout
         ),
-        "tensor, context and expert parallel sizes must be 1": any(
+        "context and expert-model parallel sizes must be 1 (tensor and expert-tensor "
+        "parallelism are TP-invariant)": any(
             (get(name, 1) or 1) != 1
-            for name in (
-                "tensor_model_parallel_size",
-                "context_parallel_size",
-                "expert_model_parallel_size",
-                "expert_tensor_parallel_size",
-            )
+            for name in ("context_parallel_size", "expert_model_parallel_size")
         ),
         "rotary_interleaved, apply_rope_fusion and no_rope_freq must be off": bool(
             get("rotary_interleaved", False) or get("apply_rope_fusion", False)
@@ -241,6 +245,8 @@ class StrictMoELayer(MoELayer):
                 f"miniTE strict mode runs MoE experts as SequentialMLP, not "
                 f"{type(self.experts).__name__} (turn grouped experts off)"
             )
+        for expert in self.experts.local_experts:  # no token dispatcher sums their outputs
+            expert.linear_fc2.output_is_final = True
 
     def forward(  # type: ignore[override]
         self,
@@ -266,9 +272,24 @@ class StrictMoELayer(MoELayer):
 
 
 def strict_linear_impl(
-    input: torch.Tensor, weight: torch.Tensor, *args: Any, bias: Any = None, **kwargs: Any
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    *args: Any,
+    bias: Any = None,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    tp_group: Any = None,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """A ``_forward_impl`` for Megatron's BF16 linears: :func:`ops.linear` (TP 1)."""
+    """A ``_forward_impl`` for Megatron's column-parallel BF16 linears (and the output layer):
+    :func:`ops.linear` on this rank's output columns (each column's bits do not depend on the
+    others), with Megatron's input communication for tensor parallelism."""
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(
+            input, tensor_parallel_output_grad=True, group=tp_group
+        )
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
     return ops.linear(input, weight, bias)
 
 
@@ -280,9 +301,16 @@ class StrictColumnParallelLinear(ColumnParallelLinear):
 
 
 class StrictRowParallelLinear(RowParallelLinear):
-    """A row-parallel linear the recipe keeps in BF16, through :func:`ops.linear`."""
+    """A row-parallel linear the recipe keeps in BF16, through :func:`ops.linear` (TP 1 only:
+    the all-reduce of BF16 partial outputs would depend on the TP degree)."""
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
+        if get_pg_size(self.tp_group) > 1:
+            raise NotImplementedError(
+                f"miniTE strict mode: a BF16 row-parallel linear ({type(self).__name__}, input "
+                f"size {self.input_size}) at TP={get_pg_size(self.tp_group)} would all-reduce "
+                "rounded partial outputs; keep it in NVFP4 (drop it from bf16_modules) or run TP=1"
+            )
         return strict_linear_impl(input, weight, *args, **kwargs)
 
 
