@@ -19,8 +19,11 @@ With a recipe whose ``strict_ops`` is on (``MINITE_RECIPE`` or a strict miniTE c
   engine runs a strict model, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
   the same bits on every CPU), the learner's ``token_logprobs`` in strict mode.
 
-Strict mode needs eager execution (``enforce_eager=True``), tensor parallelism 1 and vLLM's CPU
-attention backend.
+Strict mode needs eager execution (``enforce_eager=True``) and vLLM's CPU attention backend. It
+runs at any tensor-parallel degree the model's shapes allow: its recipe turns on the TP-invariant
+reduction of row-parallel linears (:mod:`minite_common.parallel`), attention heads and LM-head
+vocabulary columns are independent of one another, and the sampler normalizes the gathered
+(whole-vocabulary) logits, so every TP degree gives TP=1's bits.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -69,10 +73,11 @@ def strict_enabled() -> bool:
             "miniTE strict mode runs vLLM eagerly (torch.compile may fuse multiply-adds and change "
             "bits): start the engine with enforce_eager=True (--enforce-eager)"
         )
-    if config.parallel_config.tensor_parallel_size != 1:
+    parallel = config.parallel_config
+    if parallel.pipeline_parallel_size != 1 or parallel.enable_expert_parallel:
         raise NotImplementedError(
-            "miniTE strict mode is defined for tensor parallelism 1 (row-parallel all-reduces "
-            "are each engine's own)"
+            "miniTE strict mode covers tensor parallelism (row-parallel linears combine their "
+            "partial sums deterministically), not pipeline or expert parallelism"
         )
     return True
 
@@ -321,7 +326,17 @@ class StrictLMHeadMethod(UnquantizedEmbeddingMethod):
 
 
 class StrictBF16LinearMethod(MiniteBF16LinearMethod):
-    """Layers the recipe keeps in BF16 (e.g. the MoE router) through :func:`ops.linear`."""
+    """Layers the recipe keeps in BF16 (e.g. the MoE router) through :func:`ops.linear`; a
+    row-parallel one only at TP 1 (its all-reduce of rounded partial outputs depends on TP)."""
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            raise NotImplementedError(
+                f"miniTE strict mode ({layer.prefix}): a BF16 row-parallel linear at TP="
+                f"{layer.tp_size} would all-reduce rounded partial outputs; keep it in NVFP4 "
+                "(drop it from bf16_modules) or run TP=1"
+            )
+        super().create_weights(layer, *args, **kwargs)
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -370,12 +385,11 @@ class StrictMoEMethod(MiniteMoEMethod):
             rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe
         )
         act = ops.swiglu(gate_up)
-        down = grouped_w4a4_linear(
-            act, self.gemm_weight(layer, "w2_"), group_sizes, recipe=self.recipe
-        )
+        down = self.down_proj(layer, act, group_sizes)
         per_slot = torch.empty_like(down)
         per_slot[order] = down
-        return ops.moe_combine(per_slot.view(tokens, layer.top_k, self.hidden), weights)
+        combined = ops.moe_combine(per_slot.view(tokens, layer.top_k, self.hidden), weights)
+        return self.tp_output(combined)
 
 
 def strict_layer_method(layer: torch.nn.Module) -> Any:
