@@ -249,37 +249,48 @@ def four_setups(
     max_tokens: int = 16,
     seed: int = 0,
     strict: bool = True,
+    setups: str = "abcde",
+    sampler_tp: int = 1,
+    learner_tp: int = 1,
 ) -> dict[str, MismatchReport]:
-    """Mismatch reports of setups (a)-(d), and (e) when ``strict``, on ``model_dir`` (see the
-    module docstring)."""
-    samplers = {"bf16": (False, None), "minite": (True, None)}
-    if strict:
-        samplers["strict"] = (True, STRICT_RECIPE)
-    rollouts = {}
-    for name, (nvfp4, sampler_recipe) in samplers.items():
-        llm = start_sampler(model_dir, nvfp4=nvfp4, seed=seed, recipe=sampler_recipe)
-        rollouts[name] = sample(llm, prompts, n=n, max_tokens=max_tokens, seed=seed)
-        stop_sampler(llm)
+    """Mismatch reports of ``setups`` (default (a)-(d), and (e) when ``strict``) on
+    ``model_dir`` (see the module docstring), with the vLLM sampler at tensor parallelism
+    ``sampler_tp`` and the Megatron learner at ``learner_tp`` (spawned gloo ranks when > 1)."""
     per_tensor = dataclasses.replace(DEFAULT_RECIPE, activation_amax="tensor")
     learners = {
         "a": ("bf16", False, DEFAULT_RECIPE),
         "b": ("minite", False, DEFAULT_RECIPE),
         "c": ("minite", True, DEFAULT_RECIPE),
         "d": ("minite", True, per_tensor),
+        "e": ("strict", True, STRICT_RECIPE),
     }
-    if strict:
-        learners["e"] = ("strict", True, STRICT_RECIPE)
+    unknown = sorted(set(setups) - set(learners))
+    if unknown:
+        raise ValueError(f"four_setups: unknown setups {unknown}; choose from 'abcde'")
+    learners = {k: v for k, v in learners.items() if k in setups and (strict or k != "e")}
+    samplers = {"bf16": (False, None), "minite": (True, None), "strict": (True, STRICT_RECIPE)}
+    rollouts = {}
+    for name in dict.fromkeys(sampler for sampler, _, _ in learners.values()):
+        nvfp4, sampler_recipe = samplers[name]
+        llm = start_sampler(model_dir, nvfp4=nvfp4, seed=seed, recipe=sampler_recipe,
+                            tensor_parallel_size=sampler_tp)  # fmt: skip
+        rollouts[name] = sample(llm, prompts, n=n, max_tokens=max_tokens, seed=seed)
+        stop_sampler(llm)
     reports = {}
     for key, (sampler, learner_nvfp4, recipe) in learners.items():
         r = rollouts[sampler]
-        model = build_learner(model_dir, nvfp4=learner_nvfp4, recipe=recipe)
-        lp = learner_logprobs(model, r.prompts, r.completions)
+        if learner_tp > 1:
+            lp = learner_logprobs_tp(model_dir, r.prompts, r.completions, tp=learner_tp,
+                                     nvfp4=learner_nvfp4, recipe=recipe)  # fmt: skip
+        else:
+            model = build_learner(model_dir, nvfp4=learner_nvfp4, recipe=recipe)
+            lp = learner_logprobs(model, r.prompts, r.completions)
+            del model
         reports[key] = logprob_mismatch(
             r.logprobs, lp, sampler_fingerprint=r.fingerprint,
             learner_fingerprint=recipe.fingerprint() if learner_nvfp4 else None,
             allow_recipe_mismatch=True,
         )  # fmt: skip
-        del model
         gc.collect()
     return reports
 

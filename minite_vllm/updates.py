@@ -23,6 +23,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, quantize_weight
 from minite_common.checkpoint import nvfp4_to_state
 from minite_common.diagnostics import execution_record
+from minite_common.parallel import weight_amax
 
 from .config import hf_expert_names, hf_module_names
 from .layer import (
@@ -204,7 +205,7 @@ class _StagedUpdate:
             check_hf_weight(part, loaded)
         scratch, loader = method.bf16_scratch(layer, param_name, loaded.dtype, live.device)
         result, shards = method.load_shards(layer, param_name, scratch, loader, args, kwargs)
-        amax = loaded.abs().amax().float()
+        (amax,) = weight_amax([loaded])  # the whole HF tensor (every rank receives it whole)
         self.parts += [
             (layer, method, part, quantize_weight(shard, recipe=method.recipe,
                                                   name=f"{part.hf_name}.weight", global_amax=amax))

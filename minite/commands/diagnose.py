@@ -5,7 +5,9 @@
 - ``minite diagnose layers [MODEL_DIR]``: vLLM (miniTE) and Megatron (miniTE) run the same
   tokens; per-layer comparison, first divergent layer, execution-fingerprint diff and quantizer
   health of every layer.
-- ``minite diagnose align [MODEL_DIR]``: the four-setup table of :mod:`minite.alignment`.
+- ``minite diagnose align [MODEL_DIR]``: the four-setup table of :mod:`minite.alignment`;
+  ``--sampler-tp N --learner-tp M`` run vLLM and Megatron at those tensor-parallel degrees
+  (``--setups ce``: only the miniTE and strict pairs; strict (e) stays exactly 1 at any degrees).
 Without MODEL_DIR, the embedded tiny Qwen3 (``--moe``: Qwen3-MoE) is written to a temp dir.
 """
 
@@ -48,6 +50,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         if name == "align":
             sp.add_argument("--samples", type=int, default=4, help="completions per prompt")
             sp.add_argument("--max-tokens", type=int, default=16)
+            sp.add_argument("--setups", default="abcde", help="which setups to run, e.g. 'ce'")
+            sp.add_argument("--sampler-tp", type=int, default=1,
+                            help="vLLM tensor-parallel size")  # fmt: skip
+            sp.add_argument("--learner-tp", type=int, default=1,
+                            help="Megatron tensor-parallel size (spawned gloo ranks)")  # fmt: skip
         _outputs(sp)
         sp.set_defaults(func=func)
 
@@ -63,7 +70,9 @@ def _model_dir(args: argparse.Namespace) -> Path:
     from minite.tiny_model import TinyModelSpec, write_tiny_model
 
     path = Path(tempfile.mkdtemp(prefix="minite-tiny-"))
-    return write_tiny_model(path, TinyModelSpec(moe=args.moe), seed=args.seed)
+    tp = max(getattr(args, "sampler_tp", 1), getattr(args, "learner_tp", 1))
+    spec = TinyModelSpec(moe=args.moe, num_kv_heads=4 if tp > 2 else 2)  # KV heads split over TP
+    return write_tiny_model(path, spec, seed=args.seed)
 
 
 def _write_json(path: Path | None, payload: dict) -> None:
@@ -133,10 +142,13 @@ def run_align(args: argparse.Namespace) -> int:
     words = args.prompt.split()
     prompts = [tok(" ".join(words[: i + 1]))["input_ids"] for i in range(len(words))]
     reports = four_setups(
-        model_dir, prompts, n=args.samples, max_tokens=args.max_tokens, seed=args.seed
-    )
+        model_dir, prompts, n=args.samples, max_tokens=args.max_tokens, seed=args.seed,
+        setups=args.setups, sampler_tp=args.sampler_tp, learner_tp=args.learner_tp,
+    )  # fmt: skip
+    if args.sampler_tp > 1 or args.learner_tp > 1:
+        print(f"sampler TP={args.sampler_tp}, learner TP={args.learner_tp}")
     print(four_setup_table(reports))
     _write_json(args.json, {k: r.to_dict() for k, r in reports.items()})
-    if args.plot:
+    if args.plot and "c" in reports:
         print(f"plot: {plot_report(args.plot, reports['c'], title='(c) miniTE/miniTE')}")
     return 0
