@@ -190,7 +190,8 @@ def reduce_partials(partials: torch.Tensor, group: ProcessGroup | None) -> torch
     if size == 1:
         return partials
     gathered = partials.new_empty(size * partials.shape[0], *partials.shape[1:])
-    dist.all_gather_into_tensor(gathered, partials.contiguous(), group=group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # < 2.13
+    all_gather(gathered, partials.contiguous(), group=group)
     return gathered
 
 
