@@ -46,9 +46,61 @@ def _median_time(fn, sync, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, init_file: str, cuda: bool, repeats: int, out: str) -> None:
-    from minite_common import DEFAULT_RECIPE, quantize_weight, w4a4_linear
+def _measure(m, n, k, rank, world, device, group, recipe, sync, repeats) -> dict:
+    """One shape's row of the table (every rank calls it; rank 0's row is reported)."""
     from minite_common import parallel as tp
+    from minite_common import quantize_weight, w4a4_linear
+
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16().to(device)
+    weight = (torch.randn(n, k, generator=g) * 0.02).bfloat16().to(device)
+    cols = slice(rank * k // world, (rank + 1) * k // world)
+    (shard,) = tp.quantize_weight_shards([("w", weight[:, cols].contiguous())], recipe, group)
+    xs = x[:, cols].contiguous()
+
+    def plain() -> torch.Tensor:
+        y = w4a4_linear(xs, shard, recipe=recipe, row_amax=tp.tp_row_amax(xs, group))
+        dist.all_reduce(y, group=group)
+        return y
+
+    def deterministic() -> torch.Tensor:
+        return w4a4_linear(xs, shard, recipe=recipe, tp_group=group)
+
+    partial = tp.gemm_partials(tp.quantize_row_slices(xs, recipe, None), shard)
+    out_bf16 = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    stats = torch.empty(2, m, device=device)
+    amax = torch.empty(m, device=device)
+
+    def plain_collectives() -> None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        dist.all_reduce(out_bf16)
+
+    def deterministic_collectives() -> None:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        tp.reduce_partials(partial, group)
+
+    row = {
+        "M": m, "N": n, "K": k,
+        "plain_ms": 1e3 * _median_time(plain, sync, repeats),
+        "deterministic_ms": 1e3 * _median_time(deterministic, sync, repeats),
+        "plain_collectives_ms": 1e3 * _median_time(plain_collectives, sync, repeats),
+        "deterministic_collectives_ms": 1e3 * _median_time(deterministic_collectives, sync,
+                                                           repeats),
+        "plain_bytes": amax.numel() * 4 + out_bf16.numel() * 2,
+        "deterministic_bytes": stats.numel() * 4 + partial.numel() * partial.element_size(),
+    }  # fmt: skip
+    if rank == 0:
+        full = quantize_weight(weight, recipe=recipe)
+        want = w4a4_linear(x, full, recipe=recipe).view(torch.int16)
+        row["deterministic_equals_tp1"] = bool(torch.equal(deterministic().view(torch.int16), want))
+        row["plain_outputs_differing_from_tp1"] = int((plain().view(torch.int16) != want).sum())
+    else:
+        deterministic(), plain()
+    return row
+
+
+def _worker(rank: int, world: int, init_file: str, cuda: bool, repeats: int, out: str) -> None:
+    from minite_common import DEFAULT_RECIPE
 
     if cuda:
         torch.cuda.set_device(rank)
@@ -66,50 +118,10 @@ def _worker(rank: int, world: int, init_file: str, cuda: bool, repeats: int, out
             torch.cuda.synchronize()
         dist.barrier()
 
-    rows = []
-    for m, n, k in GPU_SHAPES if cuda else CPU_SHAPES:
-        g = torch.Generator().manual_seed(m + n + k)
-        x = torch.randn(m, k, generator=g).bfloat16().to(device)
-        weight = (torch.randn(n, k, generator=g) * 0.02).bfloat16().to(device)
-        cols = slice(rank * k // world, (rank + 1) * k // world)
-        (shard,) = tp.quantize_weight_shards([("w", weight[:, cols].contiguous())], recipe, group)
-        xs = x[:, cols].contiguous()
-
-        def plain() -> torch.Tensor:
-            y = w4a4_linear(xs, shard, recipe=recipe, row_amax=tp.tp_row_amax(xs, group))
-            dist.all_reduce(y, group=group)
-            return y
-
-        def deterministic() -> torch.Tensor:
-            return w4a4_linear(xs, shard, recipe=recipe, tp_group=group)
-
-        partial = tp.gemm_partials(tp.quantize_row_slices(xs, recipe, None), shard)
-        out_bf16 = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        stats = torch.empty(2, m, device=device)
-        amax = torch.empty(m, device=device)
-        row = {
-            "M": m, "N": n, "K": k,
-            "plain_ms": 1e3 * _median_time(plain, sync, repeats),
-            "deterministic_ms": 1e3 * _median_time(deterministic, sync, repeats),
-            "plain_collectives_ms": 1e3 * _median_time(
-                lambda: (dist.all_reduce(amax, op=dist.ReduceOp.MAX), dist.all_reduce(out_bf16)),
-                sync, repeats),
-            "deterministic_collectives_ms": 1e3 * _median_time(
-                lambda: (dist.all_reduce(stats, op=dist.ReduceOp.MAX), tp.reduce_partials(partial,
-                                                                                          group)),
-                sync, repeats),
-            "plain_bytes": amax.numel() * 4 + out_bf16.numel() * 2,
-            "deterministic_bytes": stats.numel() * 4 + partial.numel() * partial.element_size(),
-        }  # fmt: skip
-        if rank == 0:
-            full = quantize_weight(weight, recipe=recipe)
-            want = w4a4_linear(x, full, recipe=recipe).view(torch.int16)
-            row["deterministic_equals_tp1"] = bool(torch.equal(deterministic().view(torch.int16),
-                                                               want))  # fmt: skip
-            row["plain_outputs_differing_from_tp1"] = int((plain().view(torch.int16) != want).sum())
-        else:
-            deterministic(), plain()
-        rows.append(row)
+    rows = [
+        _measure(m, n, k, rank, world, device, group, recipe, sync, repeats)
+        for m, n, k in (GPU_SHAPES if cuda else CPU_SHAPES)
+    ]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
