@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -234,38 +233,6 @@ def _fused_sdpa(device: torch.device) -> contextlib.AbstractContextManager:
     )
 
 
-def replace_class(obj: Any, old: type, new: type) -> Any:
-    """A copy of a Megatron spec tree with the class ``old`` replaced by ``new``."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if obj is old:
-        return new
-    if isinstance(obj, ModuleSpec):
-        module = new if obj.module is old else obj.module
-        return ModuleSpec(
-            module=module,
-            params=dict(obj.params),
-            submodules=replace_class(obj.submodules, old, new),
-            metainfo=dict(getattr(obj, "metainfo", {}) or {}),
-        )
-    if isinstance(obj, functools.partial):
-        return functools.partial(
-            replace_class(obj.func, old, new),
-            *(replace_class(a, old, new) for a in obj.args),
-            **{k: replace_class(v, old, new) for k, v in obj.keywords.items()},
-        )
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: replace_class(getattr(obj, f.name), old, new)
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
-    return obj
-
-
 def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.device):
     """One ``TransformerLayer`` (layer_number 1) of ``shape`` for ``variant``, seeded so that
     every variant gets the same weights."""
@@ -287,6 +254,8 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
         )
     spec = block.layer_specs[0]
     if attention == "sdpa":
+        from minite_megatron.spec_tree import replace_class
+
         spec = replace_class(spec, DotProductAttention, SDPACoreAttention)
     torch.manual_seed(0)
     if device.type == "cuda":

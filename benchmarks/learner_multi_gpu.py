@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learner import SDPACoreAttention, replace_class  # noqa: E402  (the benchmarks' helpers)
+from learner import SDPACoreAttention  # noqa: E402  (the benchmarks' helpers)
 
 QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, topk=8,
                      expert_ffn=768, vocab=151936)  # fmt: skip
@@ -76,6 +76,8 @@ def build_model(variant: str, args: argparse.Namespace, device: torch.device):
     else:
         spec = mm.get_gpt_decoder_block_minite_spec(config, grouped_experts=True)
     if device.type == "cuda":
+        from minite_megatron.spec_tree import replace_class
+
         spec = replace_class(spec, DotProductAttention, SDPACoreAttention)
     torch.manual_seed(0)
     if device.type == "cuda":

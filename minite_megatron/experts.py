@@ -26,7 +26,6 @@ MoE layer runs ``SequentialMLP``'s experts one by one).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -55,6 +54,7 @@ from minite_common import (
 
 from .layout import GATED_FC1_PARTS, RowSegment
 from .linear import MiniTEColumnParallelLinear, NVFP4LinearMixin, check_config_supported
+from .spec_tree import DESCEND, map_spec
 
 
 class GroupedExpertLinear(NVFP4LinearMixin, torch.nn.Module):
@@ -267,40 +267,25 @@ def use_grouped_experts(obj: Any) -> Any:
     """A copy of a miniTE spec tree (layer spec or block submodules) with every ``SequentialMLP``
     whose expert linears are miniTE's replaced by :class:`MiniTEGroupedMLP` (experts the recipe
     keeps in BF16 stay in ``SequentialMLP``)."""
-    if isinstance(obj, ModuleSpec):
-        if obj.module is SequentialMLP and _is_nvfp4_expert_mlp(obj.submodules):
+
+    def visit(node: Any, path: tuple[str, ...]) -> Any:
+        if (
+            isinstance(node, ModuleSpec)
+            and node.module is SequentialMLP
+            and _is_nvfp4_expert_mlp(node.submodules)
+        ):
             return ModuleSpec(
                 module=MiniTEGroupedMLP,
-                params={**obj.params, **_grouped(obj.submodules)},
-                submodules=obj.submodules,
-                metainfo=dict(obj.metainfo),
+                params={**node.params, **_grouped(node.submodules)},
+                submodules=node.submodules,
+                metainfo=dict(node.metainfo),
             )
-        return ModuleSpec(
-            module=obj.module,
-            params=dict(obj.params),
-            submodules=use_grouped_experts(obj.submodules),
-            metainfo=dict(obj.metainfo),
-        )
-    if isinstance(obj, functools.partial):
-        submodules = obj.keywords.get("submodules")
-        if obj.func is SequentialMLP and _is_nvfp4_expert_mlp(submodules):
-            return functools.partial(
-                MiniTEGroupedMLP, *obj.args, **obj.keywords, **_grouped(submodules)
-            )
-        return functools.partial(
-            obj.func,
-            *(use_grouped_experts(a) for a in obj.args),
-            **{k: use_grouped_experts(v) for k, v in obj.keywords.items()},
-        )
-    if isinstance(obj, list):
-        return [use_grouped_experts(o) for o in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: use_grouped_experts(getattr(obj, f.name))
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
-    return obj
+        if isinstance(node, functools.partial) and node.func is SequentialMLP:
+            submodules = node.keywords.get("submodules")
+            if _is_nvfp4_expert_mlp(submodules):
+                return functools.partial(
+                    MiniTEGroupedMLP, *node.args, **node.keywords, **_grouped(submodules)
+                )
+        return DESCEND
+
+    return map_spec(obj, visit)

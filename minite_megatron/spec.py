@@ -34,6 +34,7 @@ from minite_common.recipe import DEFAULT_BF16_MODULES
 from .compat import accepted_kwargs
 from .experts import use_grouped_experts
 from .linear import MiniTEColumnParallelLinear, MiniTERowParallelLinear, check_config_supported
+from .spec_tree import DESCEND, map_spec
 from .strict import check_strict_config, make_strict_spec
 
 #: The engine name under which the learner reads the debug configuration.
@@ -91,43 +92,17 @@ def _uses_nvfp4(
     return not next(iter(kept.values()))
 
 
-def _rewrite(
-    obj: Any,
-    path: tuple[str, ...],
-    use_nvfp4: Callable[[tuple[str, ...]], bool],
-    recipe: NVFP4Recipe,
-) -> Any:
+def _rewrite(obj: Any, use_nvfp4: Callable[[tuple[str, ...]], bool], recipe: NVFP4Recipe) -> Any:
     """A copy of the spec tree ``obj`` with linear classes replaced where ``use_nvfp4(path)``."""
-    if isinstance(obj, type) and obj in _NVFP4_CLASS:
-        if not use_nvfp4(path):
-            return obj
-        return ModuleSpec(module=_NVFP4_CLASS[obj], params={"recipe": recipe})
-    if isinstance(obj, ModuleSpec):
-        module = obj.module
+
+    def visit(node: Any, path: tuple[str, ...]) -> Any:
+        module = node.module if isinstance(node, ModuleSpec) else node
         if isinstance(module, type) and module in _NVFP4_CLASS and use_nvfp4(path):
-            return ModuleSpec(module=_NVFP4_CLASS[module], params={**obj.params, "recipe": recipe})
-        return ModuleSpec(
-            module=module,
-            params=dict(obj.params),
-            submodules=_rewrite(obj.submodules, path, use_nvfp4, recipe),
-            metainfo=dict(obj.metainfo),
-        )
-    if isinstance(obj, functools.partial):
-        return functools.partial(
-            obj.func,
-            *(_rewrite(a, path, use_nvfp4, recipe) for a in obj.args),
-            **{k: _rewrite(v, path, use_nvfp4, recipe) for k, v in obj.keywords.items()},
-        )
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: _rewrite(getattr(obj, f.name), (*path, f.name), use_nvfp4, recipe)
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
-    return obj
+            params = dict(node.params) if isinstance(node, ModuleSpec) else {}
+            return ModuleSpec(module=_NVFP4_CLASS[module], params={**params, "recipe": recipe})
+        return DESCEND
+
+    return map_spec(obj, visit)
 
 
 def check_recipe_supported(recipe: NVFP4Recipe, moe: bool) -> None:
@@ -189,7 +164,7 @@ def get_gpt_layer_minite_spec(
     decide = functools.partial(
         _uses_nvfp4, recipe=recipe, index=index, num_layers=num_layers, num_experts=num_experts
     )
-    spec = _rewrite(base, (), decide, recipe)
+    spec = _rewrite(base, decide, recipe)
     if grouped_experts:
         spec = use_grouped_experts(spec)
     return make_strict_spec(spec) if recipe.strict_ops else spec
@@ -241,7 +216,6 @@ def get_gpt_decoder_block_minite_spec(
     layer_specs = [
         _rewrite(
             spec,
-            (),
             functools.partial(
                 _uses_nvfp4,
                 recipe=recipe,

@@ -48,6 +48,8 @@ from megatron.core.utils import get_pg_size
 
 from minite_common import ops
 
+from .spec_tree import DESCEND, map_spec
+
 
 def check_strict_config(config: TransformerConfig) -> None:
     """Raise ``ValueError`` naming every ``config`` option that strict mode does not cover."""
@@ -343,37 +345,22 @@ def _strict_field(owner: Any, name: str, value: Any) -> Any:
     return make_strict_spec(value)
 
 
+def _strict_node(node: Any, path: tuple[str, ...]) -> Any:
+    if isinstance(node, type):
+        return _STRICT_MODULES.get(node, node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, ModuleSpec):
+        fields = [f for f in dataclasses.fields(node) if f.init]
+        return dataclasses.replace(
+            node, **{f.name: _strict_field(node, f.name, getattr(node, f.name)) for f in fields}
+        )
+    return DESCEND
+
+
 def make_strict_spec(obj: Any) -> Any:
     """A copy of the spec tree ``obj`` (layer spec, block submodules) with the strict modules of
     this module in place of Megatron's norms, residual adds, attention, activation, MoE layer and
     plain BF16 linears (miniTE's NVFP4 linears stay)."""
-    if isinstance(obj, type):
-        return _STRICT_MODULES.get(obj, obj)
-    if isinstance(obj, ModuleSpec):
-        return ModuleSpec(
-            module=make_strict_spec(obj.module),
-            params=dict(obj.params),
-            submodules=make_strict_spec(obj.submodules),
-            metainfo=dict(obj.metainfo),
-        )
-    if isinstance(obj, functools.partial):
-        return functools.partial(
-            make_strict_spec(obj.func),
-            *(make_strict_spec(a) for a in obj.args),
-            **{k: make_strict_spec(v) for k, v in obj.keywords.items()},
-        )
-    if isinstance(obj, list):
-        return [make_strict_spec(o) for o in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: _strict_field(obj, f.name, getattr(obj, f.name))
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
-    return obj
+    return map_spec(obj, _strict_node)
 
 
 def finalize_strict_model(model: torch.nn.Module) -> None:
