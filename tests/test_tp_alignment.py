@@ -29,23 +29,24 @@ TP_INVARIANT = dataclasses.replace(DEFAULT_RECIPE, tp_invariant=True)
 
 
 @pytest.fixture(scope="module")
-def tp4_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 whose 4 KV heads allow TP=4 in Megatron."""
+def tp4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE whose 4 KV heads allow TP=4 in Megatron: its row-parallel layers are
+    o_proj and the routed experts' down_proj (expert TP)."""
     path = tmp_path_factory.mktemp("tiny_tp4")
-    return write_tiny_model(path, TinyModelSpec(num_kv_heads=4), seed=3)
+    return write_tiny_model(path, TinyModelSpec(moe=True, num_kv_heads=4), seed=3)
 
 
 def _f32_bits(values: list[float] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.float32).view(torch.int32)
 
 
-def test_strict_logprobs_do_not_depend_on_either_engines_tp_degree(tp4_dense_dir):
-    """Strict mode: the vLLM sampler at TP=2 samples the same tokens with the same log-probs as
-    at TP=1, and Megatron learners at TP=1, 2 and 4 score them with bitwise those log-probs
-    (token multiplicative probability error exactly 1)."""
+def test_strict_logprobs_do_not_depend_on_either_engines_tp_degree(tp4_moe_dir):
+    """Strict mode, MoE model: the vLLM sampler at TP=2 samples the same tokens with the same
+    log-probs as at TP=1, and Megatron learners at TP=1, 2 and 4 (expert TP alike) score them
+    with bitwise those log-probs (token multiplicative probability error exactly 1)."""
     rollouts = {}
     for tp in (1, 2):
-        llm = start_sampler(tp4_dense_dir, recipe=STRICT_RECIPE, tensor_parallel_size=tp)
+        llm = start_sampler(tp4_moe_dir, recipe=STRICT_RECIPE, tensor_parallel_size=tp)
         try:
             rollouts[tp] = sample(llm, PROMPTS, n=2, max_tokens=8, seed=1)
         finally:
@@ -56,7 +57,7 @@ def test_strict_logprobs_do_not_depend_on_either_engines_tp_degree(tp4_dense_dir
                for a, b in zip(one.logprobs, two.logprobs, strict=True))  # fmt: skip
     for tp in (1, 2, 4):
         learner = learner_logprobs_tp(
-            tp4_dense_dir, two.prompts, two.completions, tp=tp, recipe=STRICT_RECIPE
+            tp4_moe_dir, two.prompts, two.completions, tp=tp, recipe=STRICT_RECIPE
         )
         for s, lp in zip(two.logprobs, learner, strict=True):
             assert torch.equal(_f32_bits(s), _f32_bits(lp)), tp
