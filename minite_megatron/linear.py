@@ -279,12 +279,19 @@ class MiniTERowParallelLinear(NVFP4LinearMixin, RowParallelLinear):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             check_tp_split(self.input_size_per_partition, tp, device, self.minite_where)
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Megatron's forward; with the TP-invariant reduction its all-reduce (or reduce-scatter)
         is replaced by :func:`minite_common.w4a4_linear`'s deterministic combine (same
         gradients: each rank's partial receives the output gradient)."""
         if not self.recipe.deterministic_tp or get_pg_size(self.tp_group) == 1:
-            return super().forward(input_)
+            return super().forward(input_, *args, **kwargs)
+        extra = [a for a in args if a is not None] + [k for k, v in kwargs.items() if v is not None]
+        if extra:
+            raise NotImplementedError(
+                f"{self.minite_where}: the TP-invariant forward takes the input only, got {extra}"
+            )
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         output = self._forward_impl(input=input_, weight=self.weight)
