@@ -58,7 +58,8 @@ _STRICT_LOGITS: list[bool] = []
 
 def strict_enabled() -> bool:
     """Whether the vLLM config being built runs a ``minite`` recipe with ``strict_ops`` on;
-    raises if it does but the engine would compile the model or shard it over TP ranks."""
+    raises if it does but the engine would compile the model or use pipeline or expert
+    parallelism (tensor parallelism is fine: its row-parallel reductions are TP-invariant)."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.config.compilation import CompilationMode
 
