@@ -155,6 +155,12 @@ def check_tp_split(k_local: int, tp: int, device: torch.device | str, where: str
     """Raise naming ``where`` unless a row-parallel K slice of ``k_local`` at degree ``tp`` can
     reproduce TP=1 on ``device``."""
     granule = combine_granule(device)
+    if tp > 1 and granule == FOLD_CHUNK and not hasattr(minite_kernels, "fold_partials"):
+        raise NotImplementedError(
+            f"{where}: the TP-invariant reduction on this GPU needs the kernels' "
+            "nvfp4_gemm_partials / fold_partials, which this minite_kernels lacks; run TP=1 or "
+            "the plain all-reduce (a recipe without tp_invariant and strict_ops)"
+        )
     if tp > 1 and k_local % granule:
         k = k_local * tp
         raise ValueError(

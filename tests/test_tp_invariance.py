@@ -106,6 +106,10 @@ def test_supported_degrees_and_clear_errors(monkeypatch):
     tp.check_tp_split(48, 2, "cpu", "layers.0.o_proj")
     monkeypatch.setattr(tp, "kernel_arch", lambda device: "sm90")
     assert tp.tp_invariant_degrees(2048, "cuda") == [1, 2, 4]
+    if not hasattr(tp.minite_kernels, "fold_partials"):
+        with pytest.raises(NotImplementedError, match="layers.0.o_proj.*fold_partials"):
+            tp.check_tp_split(1024, 2, "cuda", "layers.0.o_proj")
+        monkeypatch.setattr(tp.minite_kernels, "fold_partials", None, raising=False)
     tp.check_tp_split(1024, 2, "cuda", "layers.0.o_proj")
     with pytest.raises(ValueError, match=r"layers.0.o_proj.*K=1536 at TP=2.*\[1, 3\]"):
         tp.check_tp_split(768, 2, "cuda", "layers.0.o_proj")
