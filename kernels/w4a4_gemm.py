@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import w4a4_gemm_cuda
 from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode_operand
 
 #: K elements per fold chunk: one MMA chain each, the chains folded in order (contract v2).
@@ -468,6 +469,9 @@ def nvfp4_gemm_sm90(
     if m == 0 or n == 0:
         return y
     if config is None:
+        if w4a4_gemm_cuda.supports(a, w, y) and w4a4_gemm_cuda.available(a.device):
+            w4a4_gemm_cuda.gemm(a, w, bias, y, _num_sms(a.device), _split_counters, use_asm)
+            return y
         config = LARGE_CONFIG if m > LARGE_M else decode_config(m)
     if isinstance(config, DecodeConfig):
         _launch_decode_gemm(a, w, bias, y, n, triton.cdiv(m, config.block_m), None, config, use_asm)

@@ -298,3 +298,36 @@ def test_w4a4_linear_matches_cpu_path() -> None:
     nan_row[2, 5] = float("nan")
     out = w4a4_linear(nan_row.cuda(), w_cpu.to("cuda"))
     assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_cuda_small_m_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
+    """The opt-in CUDA C++ small-M GEMM (wgmma with the weight decoded into registers) gives the
+    Triton decode GEMM's bits: every M it serves, K not a multiple of 128, N not of 64, split
+    and unsplit, bias, per-row and per-tensor activation scales, heavy tails, CUDA graphs."""
+    from minite_kernels import w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
+    assert w4a4_gemm_cuda.available(torch.device("cuda")), w4a4_gemm_cuda._broken(0)
+    for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (768, 4096)):
+        w = quantize_nvfp4(_make("normal", n, k, n).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
+        for m in (1, 2, 5, 8, 9, 16):
+            for kind, amax in (("normal", "row"), ("heavy", "row"), ("blocks", "tensor")):
+                a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
+                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
+                want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
+    # captured and replayed in a CUDA graph, on new inputs
+    w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
+    x = torch.zeros(4, 2048, device="cuda", dtype=torch.bfloat16)
+    nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+    for seed in (1, 2):
+        x.copy_(_make("normal", 4, 2048, seed).cuda())
+        graph.replay()
+        want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=decode_config(4))
+        assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), seed
