@@ -331,3 +331,29 @@ def test_cuda_small_m_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, 
         graph.replay()
         want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=decode_config(4))
         assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), seed
+
+
+def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
+    """nvfp4_gemm_partials of K shards starting on multiples of 512, concatenated and folded by
+    fold_partials, equal the unsharded GEMM bitwise (BF16 and float32 out, bias, every M path)."""
+    from minite_kernels import fold_partials, nvfp4_gemm_partials
+
+    from minite_common.nvfp4 import NVFP4Tensor
+
+    def shard(t, s, e):
+        return NVFP4Tensor(t.codes[:, s // 2 : e // 2], t.scales[:, s // 16 : e // 16],
+                           t.decode_scale, torch.Size([t.rows, e - s]), t.dtype, t.block_2d,
+                           t.recipe_fingerprint)  # fmt: skip
+
+    n, k = 768, 4 * 512 + 64
+    w = quantize_nvfp4(_make("normal", n, k, 4).cuda(), amax="tensor", block_2d=True)
+    bias = torch.randn(n, generator=_gen(5)).cuda().bfloat16()
+    for m in (1, 16, 100, 600):
+        a = quantize_nvfp4(_make("heavy", m, k, m).cuda())
+        for cuts in ((0, k), (0, 1024, k), (0, 512, 1024, 2048, k)):
+            parts = torch.cat([nvfp4_gemm_partials(shard(a, s, e), shard(w, s, e))
+                               for s, e in zip(cuts[:-1], cuts[1:], strict=True)])  # fmt: skip
+            for out in (torch.float32, torch.bfloat16):
+                want = nvfp4_gemm(a, w, bias, out_dtype=out)
+                got = fold_partials(parts, a.decode_scale, w.decode_scale, bias, out)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (m, cuts, out)
