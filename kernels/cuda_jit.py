@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-#: Set to 1 to let the CUDA C++ kernels serve the shapes they cover (off by default: the
-#: measurements in benchmarks/NOTES_kernels.md do not yet favour them over the Triton kernels).
+#: ``0``: the Triton kernels serve every shape; ``1``: the CUDA C++ kernels serve every shape they
+#: cover; unset (``auto``): they serve the shapes where they measured faster (each kernel says).
 CUDA_KERNELS_ENV = "MINITE_CUDA_KERNELS"
 _OPTIONS = ("--fmad=false", "-std=c++17")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -35,9 +35,12 @@ class CudaJitError(RuntimeError):
     """The CUDA C++ kernels cannot be compiled or loaded here (callers fall back to Triton)."""
 
 
-def enabled() -> bool:
-    """Whether the CUDA C++ kernels may be used (``MINITE_CUDA_KERNELS=1``)."""
-    return os.environ.get(CUDA_KERNELS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+def mode() -> str:
+    """``"off"``, ``"on"`` or ``"auto"`` (the default), from ``MINITE_CUDA_KERNELS``."""
+    value = os.environ.get(CUDA_KERNELS_ENV, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "on" if value in ("1", "true", "yes", "on") else "auto"
 
 
 def _cache_dir() -> Path:

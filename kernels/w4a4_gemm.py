@@ -487,8 +487,8 @@ def nvfp4_gemm_sm90(
     if m == 0 or n == 0:
         return y
     if config is None:
-        if w4a4_gemm_cuda.supports(a, w, y) and w4a4_gemm_cuda.available(a.device):
-            w4a4_gemm_cuda.gemm(a, w, bias, y, _num_sms(a.device), _split_counters, use_asm)
+        if w4a4_gemm_cuda.serves(a, w, y):
+            w4a4_gemm_cuda.gemm(a, w, bias, y, _num_sms(a.device))
             return y
         config = LARGE_CONFIG if m > LARGE_M else decode_config(m)
     if isinstance(config, DecodeConfig):

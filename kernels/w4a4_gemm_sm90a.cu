@@ -111,14 +111,13 @@ struct Params {
   const u32* w_words;
   const unsigned char* w_scales;
   const float* w_dec;
-  const unsigned short* ad;
+  const u32* a_words;
+  const unsigned char* a_scales;
   const float* a_dec;
   const float* bias;
   void* y;
-  float* partials;
-  int* counters;
   u64* phase_times;  // [CTAs, 4] global-timer stamps (builds with MINITE_PHASE_TIMING only)
-  long long stride_ww, stride_ws, stride_ad, stride_ym, stride_yn;
+  long long stride_ww, stride_ws, stride_aw, stride_as, stride_ym, stride_yn;
   int w_dec_stride, a_dec_stride;
   int M, N, K, chunks_per_split, out_kind;  // out_kind: 0 bf16, 1 f16, 2 f32
   u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
@@ -208,8 +207,8 @@ __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, i
 template <int BM, int P, bool EVEN_K>
 __device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Raw (&raw)[2],
                                            u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
-                                           u64 desc0, int ch, int ch_first, int ch_end, int t,
-                                           bool split, int m0) {
+                                           u64 desc0, unsigned char* smem, int ch, int ch_first,
+                                           int ch_end, int t, bool split) {
   decode_raw(raw[P], a[P]);
   if (ch + 2 < ch_end) load_raw<EVEN_K>(rows, ch + 2, t, p.K, raw[P]);
   // Descriptor start addresses advance in 16-byte units: one step block is BM * 32 bytes.
@@ -227,19 +226,12 @@ __device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Ra
     wgmma_wait<0>();
     fence_acc(part);
     if (split) {
-      // partials[fold][m][n] for this warp's fragment.
-      const int fold = ch / FOLD_CHUNKS;
-      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-      const int g = lane >> 2;
-      const int n_base = blockIdx.x * ROWS + 16 * warp;
+      // This fold chunk's partial replaces its (consumed) activation block in shared memory,
+      // where the cluster's first CTA reads it.
+      float* dst = (float*)(smem + (ch / FOLD_CHUNKS - ch_first / FOLD_CHUNKS) * (BM * 1024) +
+                            threadIdx.x * (BM * 2));
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int j = i / 4, e = i % 4;
-        const int n = n_base + g + ((e & 2) ? 8 : 0);
-        const int m = m0 + 8 * j + 2 * t + (e & 1);
-        if (n < p.N && m < p.M)
-          p.partials[((long long)fold * p.M + m) * p.N + n] = part.d[i];
-      }
+      for (int i = 0; i < BM / 2; ++i) dst[i] = part.d[i];
     } else {
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
@@ -249,10 +241,9 @@ __device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Ra
   }
 }
 
-template <int BM, bool EVEN_K>
+template <int BM, bool EVEN_K, int SPLITS>
 __device__ __forceinline__ void gemm_small_m(const Params& p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int last_flag;
   const int K = p.K;
   const int k_pad = (K + 127) / 128 * 128;
   const int n_folds = (K + 511) / 512;
@@ -261,9 +252,8 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
   const int ch_first = fold_first * FOLD_CHUNKS;
   const int ch_end = min(fold_last * FOLD_CHUNKS, k_pad / 128);
   PHASE_TIME(0);
-  const bool split = gridDim.y > 1;
+  const bool split = SPLITS > 1;
   const int m0 = blockIdx.z * BM;
-  const int tile = blockIdx.z * gridDim.x + blockIdx.x;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -281,31 +271,33 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
   // core matrices of 8 rows x 8 k (128 bytes) at rowgroup * sbo + khalf * lbo.
   const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
   Raw raw[2];
+  if (ch_first < ch_end) load_raw<EVEN_K>(rows, ch_first, t, K, raw[0]);
+  if (ch_first + 1 < ch_end) load_raw<EVEN_K>(rows, ch_first + 1, t, K, raw[1]);
   {
-    // cp.async, 16 bytes each: a thread keeps one (row, k-half) and walks the steps, so
-    // consecutive threads fill consecutive rows of a core matrix. Rows past M are left
-    // unwritten: they only feed output columns that are never stored.
-    const int k0 = ch_first * 128;
-    const int steps = (ch_end - ch_first) * 8;
+    // The activation's valid rows decoded from their codes into wgmma's B step blocks: one word
+    // pair (16 elements, one scale) per thread at a time, a BF16x2 per stream. Rows past M are
+    // left unwritten: they only feed output columns that are never stored.
     const int valid_rows = min(BM, p.M - m0);
-    int per = 1;
-    while (per < 2 * valid_rows) per *= 2;  // (row, k-half) slots per step, a power of two
-    const int slot = threadIdx.x % per;
-    if (slot < 2 * valid_rows) {
-      const int r = slot % valid_rows, kh = slot / valid_rows;
-      const unsigned short* src = p.ad + (long long)(m0 + r) * p.stride_ad + k0 + kh * 8;
-      const u32 dst = smem_base + (u32)(r / 8) * p.sbo + (u32)kh * p.lbo + (u32)(r % 8) * 16;
-      for (int step = threadIdx.x / per; step < steps; step += blockDim.x / per) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + step * (BM * 32)),
-                     "l"(src + step * 16)
-                     : "memory");
+    const int pairs = valid_rows * (ch_end - ch_first) * 8;
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+      const int tp = i & 7, rc = i >> 3;
+      const int r = rc % valid_rows, c = rc / valid_rows, ch = ch_first + c;
+      u32 w0 = 0, w1 = 0, sb = 0;
+      if (EVEN_K || ch * 128 + 16 * tp + 16 <= K) {
+        const uint2 w = __ldg((const uint2*)(p.a_words + (long long)(m0 + r) * p.stride_aw +
+                                             ch * 16 + 2 * tp));
+        w0 = w.x;
+        w1 = w.y;
+        sb = __ldg(p.a_scales + (long long)(m0 + r) * p.stride_as + ch * 8 + tp);
       }
+      u32 o[8];
+      decode_pair(w0, w1, sb, o);
+      // stream q, k-positions 2tp and 2tp+1: core matrix (r / 8, tp / 4), row r % 8
+      unsigned char* dst = smem + c * 8 * (BM * 32) + (r / 8) * p.sbo + (tp / 4) * p.lbo +
+                           (r % 8) * 16 + (tp % 4) * 4;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
     }
-    // The weight's first two chunks are requested behind the activation, then both are awaited.
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    if (ch_first < ch_end) load_raw<EVEN_K>(rows, ch_first, t, K, raw[0]);
-    if (ch_first + 1 < ch_end) load_raw<EVEN_K>(rows, ch_first + 1, t, K, raw[1]);
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
   }
@@ -321,14 +313,14 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
   const u64 desc0 = smem_desc(smem_base, p.lbo, p.sbo);
   int ch = ch_first;
   for (; ch + 1 < ch_end; ch += 2) {
-    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, ch, ch_first, ch_end, t, split,
-                              m0);
-    chunk_step<BM, 1, EVEN_K>(p, rows, raw, a, part, acc, desc0, ch + 1, ch_first, ch_end, t,
-                              split, m0);
+    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch, ch_first, ch_end, t,
+                              split);
+    chunk_step<BM, 1, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch + 1, ch_first, ch_end,
+                              t, split);
   }
   if (ch < ch_end)
-    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, ch, ch_first, ch_end, t, split,
-                              m0);
+    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch, ch_first, ch_end, t,
+                              split);
 
   PHASE_TIME(2);
   if (!split) {
@@ -336,52 +328,66 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
     PHASE_TIME(3);
     return;
   }
-  // Publish this CTA's partials; the tile's last CTA folds all of them in order.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int arrived = atomicAdd(p.counters + tile, 1);
-    last_flag = arrived == (int)gridDim.y - 1;
-  }
-  __syncthreads();
-  if (!last_flag) return;
-  __threadfence();
+  // The split CTAs of a tile form a cluster; each holds its fold chunks' partials in shared
+  // memory. The first CTA reads them all (distributed shared memory), in fold order.
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+  u32 rank;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (rank == 0) {
+    const int per_split = p.chunks_per_split;
 #pragma unroll
-  for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
-  // Loads in batches of B fold chunks (in flight together), then the adds in fold order.
-  constexpr int B = 64 / BM;
-  for (int f0 = 0; f0 < n_folds; f0 += B) {
-    float v[B][BM / 2];
+    for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
+    const u32 mine = smem_base + threadIdx.x * (BM * 2);
+#pragma unroll 1
+    for (int r = 0; r < SPLITS; ++r) {
+      const int count = max(0, min(per_split, n_folds - r * per_split));
+      u32 remote;
+      asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(mine), "r"(r));
+      // all of this CTA's fold chunks in flight together (at most 64 / BM), then added in order
+      constexpr int MAXF = 64 / BM;
+      float v[MAXF][BM / 2];
 #pragma unroll
-    for (int ff = 0; ff < B; ++ff) {
+      for (int f = 0; f < MAXF; ++f) {
+        if (f < count) {
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int j = i / 4, e = i % 4;
-        const int n = n_base + g + ((e & 2) ? 8 : 0);
-        const int m = m0 + 8 * j + 2 * t + (e & 1);
-        const bool ok = f0 + ff < n_folds && n < p.N && m < p.M;
-        v[ff][i] = ok ? __ldcg(p.partials + ((long long)(f0 + ff) * p.M + m) * p.N + n) : 0.f;
+          for (int i = 0; i < BM / 2; i += 4)
+            asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v[f][i]), "=f"(v[f][i + 1]), "=f"(v[f][i + 2]), "=f"(v[f][i + 3])
+                         : "r"(remote + f * (BM * 1024) + i * 4)
+                         : "memory");
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < MAXF; ++f) {
+        if (f < count) {
+#pragma unroll
+          for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], v[f][i]);
+        }
       }
     }
-#pragma unroll
-    for (int ff = 0; ff < B; ++ff) {
-      if (f0 + ff < n_folds) {
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], v[ff][i]);
-      }
-    }
+    store_out<BM>(p, acc, n_base, m0, g, t);
   }
-  store_out<BM>(p, acc, n_base, m0, g, t);
-  if (threadIdx.x == 0) atomicExch(p.counters + tile, 0);
+  // Keep every CTA's shared memory alive until the first one has read it.
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
   PHASE_TIME(3);
 }
 
-#define SMALL_M_KERNEL(BM)                                                                    \
-  extern "C" __global__ void __launch_bounds__(128, 4) w4a4_small_m##BM(const Params p) {         \
-    gemm_small_m<BM, false>(p);                                                                 \
-  }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(128, 4) w4a4_small_m##BM##_even_k(const Params p) { \
-    gemm_small_m<BM, true>(p);                                                                  \
+#define SMALL_M_KERNEL(BM, S)                                                              \
+  extern "C" __global__ void __cluster_dims__(1, S, 1) __launch_bounds__(128, 4)              \
+      w4a4_small_m##BM##_s##S(const Params p) {                                               \
+    gemm_small_m<BM, false, S>(p);                                                            \
+  }                                                                                           \
+  extern "C" __global__ void __cluster_dims__(1, S, 1) __launch_bounds__(128, 4)              \
+      w4a4_small_m##BM##_s##S##_even_k(const Params p) {                                      \
+    gemm_small_m<BM, true, S>(p);                                                             \
   }
-SMALL_M_KERNEL(8)
-SMALL_M_KERNEL(16)
+SMALL_M_KERNEL(8, 1)
+SMALL_M_KERNEL(8, 2)
+SMALL_M_KERNEL(8, 4)
+SMALL_M_KERNEL(8, 8)
+SMALL_M_KERNEL(16, 1)
+SMALL_M_KERNEL(16, 2)
+SMALL_M_KERNEL(16, 4)
+SMALL_M_KERNEL(16, 8)

@@ -46,6 +46,25 @@ def test_cpu_tensors_take_the_torch_path() -> None:
     assert gemm_path("cpu") == "torch-exact-f64"
 
 
+def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MINITE_CUDA_KERNELS`` picks off / on / auto, and CPU tensors never reach the CUDA C++
+    kernel (nor compile it)."""
+    pytest.importorskip("triton")
+    from minite_kernels import cuda_jit, w4a4_gemm_cuda
+
+    from minite_common import quantize_nvfp4
+
+    for value, mode in (("0", "off"), ("off", "off"), ("1", "on"), ("", "auto"), ("x", "auto")):
+        monkeypatch.setenv("MINITE_CUDA_KERNELS", value)
+        assert cuda_jit.mode() == mode
+    a = quantize_nvfp4(torch.randn(2, 64))
+    w = quantize_nvfp4(torch.randn(64, 64), amax="tensor", block_2d=True)
+    y = torch.empty(2, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
+    assert w4a4_gemm_cuda.supports(a, w, y) and not w4a4_gemm_cuda.serves(a, w, y)
+    assert w4a4_gemm_cuda.plan(16, 8192, 32768, 132) is None  # K too long for one cluster
+
+
 # ---- worker side (runs under TRITON_INTERPRET=1) ----
 
 
