@@ -1,27 +1,25 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the miniTE spec against ``--transformer-impl local``.
 
 For each model (a small Qwen3-shaped dense model, a small Qwen3-MoE model) this runs Megatron-LM's
-unmodified ``pretrain_gpt.py`` (``torchrun``, one GPU) three times from the same seed, on mock data
-with Megatron's ``NullTokenizer``:
+unmodified ``pretrain_gpt.py`` (``torchrun``, one GPU) from the same seed, on mock data with
+Megatron's ``NullTokenizer``:
 
 1. ``--transformer-impl local`` (Megatron's BF16 local spec, the reference);
-2. the same arguments plus ``--spec minite_megatron.spec <layer spec>`` (NVFP4 linears), saving a
-   checkpoint every ``--save-interval`` iterations;
-3. run 2 resumed from its checkpoint at ``--resume-from`` (``--load ... --ckpt-step``, the same
-   ``--train-iters`` so the learning-rate schedule is the same), stopped ``--resume-iters`` later
-   (``--exit-interval``).
+2. the same arguments plus ``--spec minite_megatron.spec <layer spec>`` (NVFP4 linears);
+3. for each spec named by ``--resume`` (default: miniTE), checkpoints every ``--save-interval``
+   iterations in its run above, then a run resumed from iteration ``--resume-from``
+   (``--load ... --ckpt-step``, the same ``--train-iters`` so the learning-rate schedule is the
+   same) and stopped ``--resume-iters`` later (``--exit-interval``).
 
 Losses are read exactly from the TensorBoard scalars Megatron-LM writes (``lm loss``, float32),
 iteration times from its log lines. ``--out`` gets ``<model>.json`` (both curves, loss bits of the
-resumed and original runs, median iteration times, the throughput ratio) and ``logs.tar.gz``.
-``plot`` draws the curves and their gap from those JSON files.
+resumed and original runs, median iteration times, the throughput ratio; rewritten after each run)
+and ``logs.tar.gz``. ``plot`` draws the curves and their gap from those JSON files.
 
-Device machine (repo root; Megatron-Core 0.19.2 wheel installed to /tmp/site, Megatron-LM's
-``pretrain_gpt.py``, ``gpt_builders.py``, ``model_provider.py`` from the matching release in
-``MLM``, ``minite_kernels`` importable)::
+Device machine: ``benchmarks/megatron_lm_pretrain.sh BUNDLE OUT [run options]`` installs the
+bundle of ``benchmarks/megatron_lm_bundle.sh`` (the Megatron-Core 0.19.2 wheel, Megatron-LM's
+``pretrain_gpt.py`` and friends from the matching release) and calls ``run``. Then, anywhere::
 
-    PYTHONPATH=$PWD:/tmp/pk:/tmp/site python3 benchmarks/megatron_lm_pretrain.py run \\
-        --mlm-dir MLM --out $OUT
     python benchmarks/megatron_lm_pretrain.py plot --out DIR dense.json moe.json
 """
 
