@@ -15,10 +15,12 @@ from .dispatch import BACKEND_ENV, kernel_arch
 __all__ = [
     "BACKEND_ENV",
     "decoded_weight",
+    "fold_partials",
     "gemm_path",
     "grouped_nvfp4_gemm",
     "kernel_arch",
     "nvfp4_gemm",
+    "nvfp4_gemm_partials",
     "quantize_grad_operands",
     "quantize_nvfp4",
 ]
@@ -40,6 +42,27 @@ def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torc
     from .w4a4_gemm import nvfp4_gemm_sm90
 
     return nvfp4_gemm_sm90(a, w, bias, out_dtype)
+
+
+def nvfp4_gemm_partials(a, w) -> torch.Tensor:
+    """Float32 [ceil(K/512), M, N]: the fold-chunk partials of ``a @ w.T`` (contract v2), which
+    :func:`fold_partials` turns into exactly :func:`nvfp4_gemm`'s output; concatenating the
+    partials of K shards that start on multiples of 512 gives the unsharded GEMM's (Hopper)."""
+    if kernel_arch(a.device) != "sm90":
+        raise NotImplementedError(
+            "fold-chunk partials exist on the Hopper (sm_90) kernels only; the Blackwell path "
+            "accumulates in tl.dot_scaled's own order"
+        )
+    from .w4a4_gemm import nvfp4_gemm_partials_sm90
+
+    return nvfp4_gemm_partials_sm90(a, w)
+
+
+def fold_partials(partials, a_decode_scale, w_decode_scale, bias=None, out_dtype=torch.bfloat16):
+    """The GEMM's in-order fold of ``partials`` [C, M, N] and its epilogue (bitwise)."""
+    from .w4a4_gemm import fold_partials as impl
+
+    return impl(partials, a_decode_scale, w_decode_scale, bias, out_dtype)
 
 
 def grouped_nvfp4_gemm(a, w, sizes, out_dtype: torch.dtype = torch.bfloat16):

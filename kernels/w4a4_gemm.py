@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import w4a4_gemm_cuda
 from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode_operand
 
 #: K elements per fold chunk: one MMA chain each, the chains folded in order (contract v2).
@@ -142,6 +143,7 @@ def _w4a4_decode_gemm_kernel(
     USE_ASM: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLIT: tl.constexpr,
+    PARTIALS_ONLY: tl.constexpr,
     A_DECODED: tl.constexpr,
     EVEN_K: tl.constexpr,
     FOLD_SIZE: tl.constexpr,
@@ -152,7 +154,8 @@ def _w4a4_decode_gemm_kernel(
     """Y^T tile [BLOCK_N, BLOCK_M], fold chunks [pid2*chunks_per_split, +chunks_per_split).
     GROUPED: row tile pid1 of the expert-grouped rows (``sizes`` [G] on the device), against its
     expert's weight rows; else rows pid1*BLOCK_M.. of A against weight rows 0..N-1. SPLIT: write
-    chunk partials to ``partials`` [chunks, M, N]; the tile's last program folds and stores."""
+    chunk partials to ``partials`` [chunks, M, N]; the tile's last program folds and stores
+    (PARTIALS_ONLY: nobody folds, the partials are the result)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if GROUPED:
@@ -226,6 +229,8 @@ def _w4a4_decode_gemm_kernel(
             else:
                 acc = acc + part
             part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if PARTIALS_ONLY:
+        return
     if SPLIT:
         # Publish this program's partials; the tile's last program folds all of them in order.
         tl.debug_barrier()
@@ -416,19 +421,32 @@ def _check_operands(a, w, bias: torch.Tensor | None) -> None:
 
 
 def _launch_decode_gemm(
-    a, w, bias, y, n: int, tiles_m: int, sizes, cfg: DecodeConfig, use_asm: bool
+    a,
+    w,
+    bias,
+    y,
+    n: int,
+    tiles_m: int,
+    sizes,
+    cfg: DecodeConfig,
+    use_asm: bool,
+    partials: torch.Tensor | None = None,
 ) -> None:
-    """One launch of the decode GEMM over ``tiles_m`` row tiles (grouped when ``sizes``)."""
+    """One launch of the decode GEMM over ``tiles_m`` row tiles (grouped when ``sizes``); with
+    ``partials`` ([chunks, M, N] float32) it writes every fold chunk's partial there instead."""
     m, k = a.rows, a.cols
     tiles_n = triton.cdiv(n, cfg.block_n)
     per_split = _chunks_per_split(cfg, tiles_n * tiles_m, m, n, k, a.device)
     splits = triton.cdiv(triton.cdiv(k, FOLD), per_split)
+    partials_only = partials is not None
     a_dec, a_dec_stride = _vector_arg(a.decode_scale)
     w_dec, w_dec_stride = _vector_arg(w.decode_scale)
     ad = decode_operand(a.codes, a.scales, use_asm=use_asm) if cfg.a_decoded else a.decode_scale
     if ad.dim() == 0:
         ad = ad.reshape(1)
-    if splits > 1:
+    if partials_only:
+        counters = a_dec
+    elif splits > 1:
         partials = torch.empty(triton.cdiv(k, FOLD), m, n, dtype=torch.float32, device=a.device)
         counters = _split_counters(a.device)
     else:
@@ -441,7 +459,8 @@ def _launch_decode_gemm(
         bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), ad, ad.stride(0),
         sizes if sizes is not None else a_dec, partials, counters, m, n, k, groups, per_split,
         GROUPED=sizes is not None, HAS_BIAS=bias is not None, USE_ASM=use_asm,
-        INTERPRETED=_INTERPRETED, SPLIT=splits > 1, A_DECODED=cfg.a_decoded,
+        INTERPRETED=_INTERPRETED, SPLIT=splits > 1 or partials_only,
+        PARTIALS_ONLY=partials_only, A_DECODED=cfg.a_decoded,
         EVEN_K=k % CHUNK == 0, FOLD_SIZE=FOLD,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         BLOCK_G=triton.next_power_of_2(groups), num_warps=cfg.num_warps,
@@ -468,6 +487,9 @@ def nvfp4_gemm_sm90(
     if m == 0 or n == 0:
         return y
     if config is None:
+        if w4a4_gemm_cuda.serves(a, w, y):
+            w4a4_gemm_cuda.gemm(a, w, bias, y, _num_sms(a.device))
+            return y
         config = LARGE_CONFIG if m > LARGE_M else decode_config(m)
     if isinstance(config, DecodeConfig):
         _launch_decode_gemm(a, w, bias, y, n, triton.cdiv(m, config.block_m), None, config, use_asm)
@@ -487,6 +509,49 @@ def nvfp4_gemm_sm90(
         enable_fp_fusion=False,
     )  # fmt: skip
     return y
+
+
+def nvfp4_gemm_partials_sm90(
+    a, w, *, config: DecodeConfig | None = None, use_asm: bool | None = None
+) -> torch.Tensor:
+    """The fold-chunk partial sums of ``a @ w.T`` (float32 [ceil(K/FOLD), M, N], in the kernels'
+    units): each the chunk's MMA chain from zero, exactly what :func:`nvfp4_gemm_sm90` folds. A
+    shard of K that starts on a multiple of ``FOLD`` gives bitwise the full GEMM's partials of
+    its chunks, so :func:`fold_partials` over the shards' partials in order equals the full GEMM
+    (the deterministic tensor-parallel combine)."""
+    _check_operands(a, w, None)
+    m, n, k = a.rows, w.rows, a.cols
+    partials = torch.empty(triton.cdiv(k, FOLD), m, n, dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return partials
+    cfg = config or decode_config(min(m, LARGE_M))
+    use_asm = USE_ASM_DECODE if use_asm is None else use_asm
+    _launch_decode_gemm(
+        a, w, None, partials, n, triton.cdiv(m, cfg.block_m), None, cfg, use_asm, partials
+    )
+    return partials
+
+
+def fold_partials(
+    partials: torch.Tensor,
+    a_decode_scale: torch.Tensor,
+    w_decode_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``out(f32(f32(f32(fold * 2^14) * a_dec[m]) * w_dec[n]) + bias[n])`` where ``fold`` adds
+    the ``partials`` [C, M, N] to a zero float32 accumulator in order: the GEMM kernels' fold and
+    epilogue, one IEEE operation at a time (bitwise the same)."""
+    acc = torch.zeros(partials.shape[1:], dtype=torch.float32, device=partials.device)
+    for part in partials:
+        acc = acc + part
+    y = acc * float(ACC_SCALE.value)
+    a_dec = a_decode_scale.float()
+    y = y * (a_dec[:, None] if a_dec.dim() else a_dec)
+    y = y * w_decode_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 @functools.lru_cache(maxsize=256)

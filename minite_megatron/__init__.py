@@ -27,6 +27,7 @@ from .model import build_gpt_model_from_hf, causal_attention_mask, init_megatron
 from .spec import (
     get_gpt_decoder_block_minite_spec,
     get_gpt_layer_minite_spec,
+    minite_block_spec,
     minite_layer_spec,
     minite_moe_qk_norm_layer_spec,
     minite_qk_norm_layer_spec,
@@ -49,6 +50,7 @@ __all__ = [
     "init_megatron",
     "invalidate_quantized_weights",
     "load_hf_weights",
+    "minite_block_spec",
     "minite_layer_spec",
     "minite_moe_qk_norm_layer_spec",
     "minite_qk_norm_layer_spec",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from minite_common import DEFAULT_RECIPE, NVFP4Recipe
+from minite_common.checkpoint import recipe_from_file
 from minite_common.debug import debug_recipe
 from minite_common.recipe import DEFAULT_BF16_MODULES
 
@@ -234,6 +236,26 @@ def get_gpt_decoder_block_minite_spec(
         check_strict_config(config)
         block = make_strict_spec(block)
     return block
+
+
+#: Environment variable naming a JSON recipe file (as for the vLLM plugin) for
+#: :func:`minite_block_spec`.
+RECIPE_ENV = "MINITE_RECIPE"
+
+
+def minite_block_spec(
+    args: Any, config: TransformerConfig, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """``--spec minite_megatron.spec minite_block_spec`` for training scripts that call the
+    ``--spec`` object as ``spec(args, config, vp_stage)`` (slime's model provider does):
+    :func:`get_gpt_decoder_block_minite_spec` of this config and pipeline stage, so per-layer
+    recipe rules and the config checks apply. The recipe is the one in the JSON file named by
+    ``MINITE_RECIPE`` (the variable the vLLM plugin reads), else the default; ``args`` is unused.
+    Megatron-LM's own ``pretrain_gpt.py`` does not call the object: use a layer spec there.
+    """
+    path = os.environ.get(RECIPE_ENV)
+    recipe = recipe_from_file(path, RECIPE_ENV) if path else DEFAULT_RECIPE
+    return get_gpt_decoder_block_minite_spec(config, recipe, vp_stage=vp_stage)
 
 
 #: ``--spec minite_megatron.spec minite_layer_spec``: dense layer, no q/k norm (Llama-style).

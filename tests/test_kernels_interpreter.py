@@ -16,7 +16,15 @@ import sys
 import pytest
 import torch
 
-CHECKS = ["quantize", "quantize_two_pass", "decode_operand", "gemm", "split_k", "grouped"]
+CHECKS = [
+    "quantize",
+    "quantize_two_pass",
+    "decode_operand",
+    "gemm",
+    "split_k",
+    "grouped",
+    "partials",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -36,6 +44,25 @@ def test_cpu_tensors_take_the_torch_path() -> None:
 
     assert kernel_arch("cpu") is None
     assert gemm_path("cpu") == "torch-exact-f64"
+
+
+def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MINITE_CUDA_KERNELS`` picks off / on / auto, and CPU tensors never reach the CUDA C++
+    kernel (nor compile it)."""
+    pytest.importorskip("triton")
+    from minite_kernels import cuda_jit, w4a4_gemm_cuda
+
+    from minite_common import quantize_nvfp4
+
+    for value, mode in (("0", "off"), ("off", "off"), ("1", "on"), ("", "auto"), ("x", "auto")):
+        monkeypatch.setenv("MINITE_CUDA_KERNELS", value)
+        assert cuda_jit.mode() == mode
+    a = quantize_nvfp4(torch.randn(2, 64))
+    w = quantize_nvfp4(torch.randn(64, 64), amax="tensor", block_2d=True)
+    y = torch.empty(2, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
+    assert w4a4_gemm_cuda.supports(a, w, y) and not w4a4_gemm_cuda.serves(a, w, y)
+    assert w4a4_gemm_cuda.plan(16, 8192, 32768, 132) is None  # K too long for one cluster
 
 
 # ---- worker side (runs under TRITON_INTERPRET=1) ----
@@ -207,6 +234,47 @@ def _check_grouped() -> None:
             ae, we = a.narrow_rows(start, size), w.narrow_rows(e * n, n)
             _assert_close(y[start : start + size], _reference(ae, we), k, ae, we)
         start += size
+
+
+def _k_shard(t, start: int, end: int):
+    """Columns [start, end) of an NVFP4Tensor (a row-parallel rank's K slice)."""
+    from minite_common.nvfp4 import NVFP4Tensor
+
+    return NVFP4Tensor(
+        t.codes[:, start // 2 : end // 2], t.scales[:, start // 16 : end // 16], t.decode_scale,
+        torch.Size([t.rows, end - start]), t.dtype, t.block_2d, t.recipe_fingerprint,
+    )  # fmt: skip
+
+
+def _check_partials() -> None:
+    """Fold-chunk partials: folded with the epilogue they equal the GEMM bitwise, and K shards
+    starting on multiples of FOLD give the full GEMM's partials (the TP-invariant combine)."""
+    from minite_kernels.w4a4_gemm import (
+        FOLD,
+        fold_partials,
+        nvfp4_gemm_partials_sm90,
+        nvfp4_gemm_sm90,
+    )
+
+    from minite_common import quantize_nvfp4
+
+    m, n, k = 3, 64, 3 * FOLD + 48
+    a = quantize_nvfp4(_inputs(m, k, 21).nan_to_num(0.0, 0.0, 0.0))
+    w = quantize_nvfp4(_inputs(n, k, 22).nan_to_num(0.0, 0.0, 0.0), amax="tensor", block_2d=True)
+    bias = torch.randn(n)
+    parts = nvfp4_gemm_partials_sm90(a, w, use_asm=False)
+    assert parts.shape == (4, m, n)
+    # float32 out only: the interpreter truncates to BF16 (the GPU rounds; tests/gpu checks it)
+    full = nvfp4_gemm_sm90(a, w, bias, torch.float32, use_asm=False)
+    assert torch.equal(
+        fold_partials(parts, a.decode_scale, w.decode_scale, bias, torch.float32), full
+    )
+    cuts = (0, FOLD, 3 * FOLD, k)  # three ranks: 1, 2 and 1 fold chunks
+    shards = [
+        nvfp4_gemm_partials_sm90(_k_shard(a, s, e), _k_shard(w, s, e), use_asm=False)
+        for s, e in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    assert torch.equal(torch.cat(shards), parts)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -49,6 +50,31 @@ def test_spec_argument_objects_build_nvfp4_models(name, moe):
     assert len(linears) == len(rows) == 2 * (1 + experts)
     assert type(model.output_layer).__name__ == "ColumnParallelLinear"
     assert torch.isfinite(token_logprobs(model, torch.randint(0, 256, (1, 16)))).all()
+
+
+def test_callable_spec_object_builds_the_block_with_the_recipe_file(tmp_path, monkeypatch):
+    """slime calls the ``--spec`` object as ``spec(args, config, vp_stage)``: ``minite_block_spec``
+    returns this config's block spec, with the recipe of the file named by ``MINITE_RECIPE``."""
+    provider = import_module(("minite_megatron.spec", "minite_block_spec"))
+    hf = tiny_config(TinyModelSpec(num_layers=3))
+    config = transformer_config_from_hf(hf)
+
+    def nvfp4_layers() -> list[bool]:
+        model = GPTModel(config, provider(None, config, None), **gpt_model_kwargs_from_hf(hf))
+        return [
+            isinstance(layer.self_attention.linear_qkv, MiniTEColumnParallelLinear)
+            and isinstance(layer.mlp.linear_fc2, MiniTERowParallelLinear)
+            for layer in model.decoder.layers
+        ]
+
+    monkeypatch.delenv("MINITE_RECIPE", raising=False)
+    assert nvfp4_layers() == [True, True, True]
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(NVFP4Recipe(bf16_last_layers=1).to_dict()))
+    monkeypatch.setenv("MINITE_RECIPE", str(path))
+    assert nvfp4_layers() == [True, True, False]
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
+        provider(None, transformer_config_from_hf(hf, gradient_accumulation_fusion=True), None)
 
 
 def test_hidden_size_not_a_multiple_of_16_fails_clearly():

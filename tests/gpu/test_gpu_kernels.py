@@ -298,3 +298,62 @@ def test_w4a4_linear_matches_cpu_path() -> None:
     nan_row[2, 5] = float("nan")
     out = w4a4_linear(nan_row.cuda(), w_cpu.to("cuda"))
     assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_cuda_small_m_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
+    """The opt-in CUDA C++ small-M GEMM (wgmma with the weight decoded into registers) gives the
+    Triton decode GEMM's bits: every M it serves, K not a multiple of 128, N not of 64, split
+    and unsplit, bias, per-row and per-tensor activation scales, heavy tails, CUDA graphs."""
+    from minite_kernels import w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
+    assert w4a4_gemm_cuda.available(torch.device("cuda")), w4a4_gemm_cuda._broken(0)
+    for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (768, 4096)):
+        w = quantize_nvfp4(_make("normal", n, k, n).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
+        for m in (1, 2, 5, 8, 9, 16):
+            for kind, amax in (("normal", "row"), ("heavy", "row"), ("blocks", "tensor")):
+                a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
+                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
+                want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
+    # captured and replayed in a CUDA graph, on new inputs
+    w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
+    x = torch.zeros(4, 2048, device="cuda", dtype=torch.bfloat16)
+    nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+    for seed in (1, 2):
+        x.copy_(_make("normal", 4, 2048, seed).cuda())
+        graph.replay()
+        want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=decode_config(4))
+        assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), seed
+
+
+def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
+    """nvfp4_gemm_partials of K shards starting on multiples of 512, concatenated and folded by
+    fold_partials, equal the unsharded GEMM bitwise (BF16 and float32 out, bias, every M path)."""
+    from minite_kernels import fold_partials, nvfp4_gemm_partials
+
+    from minite_common.nvfp4 import NVFP4Tensor
+
+    def shard(t, s, e):
+        return NVFP4Tensor(t.codes[:, s // 2 : e // 2], t.scales[:, s // 16 : e // 16],
+                           t.decode_scale, torch.Size([t.rows, e - s]), t.dtype, t.block_2d,
+                           t.recipe_fingerprint)  # fmt: skip
+
+    n, k = 768, 4 * 512 + 64
+    w = quantize_nvfp4(_make("normal", n, k, 4).cuda(), amax="tensor", block_2d=True)
+    bias = torch.randn(n, generator=_gen(5)).cuda().bfloat16()
+    for m in (1, 16, 100, 600):
+        a = quantize_nvfp4(_make("heavy", m, k, m).cuda())
+        for cuts in ((0, k), (0, 1024, k), (0, 512, 1024, 2048, k)):
+            parts = torch.cat([nvfp4_gemm_partials(shard(a, s, e), shard(w, s, e))
+                               for s, e in zip(cuts[:-1], cuts[1:], strict=True)])  # fmt: skip
+            for out in (torch.float32, torch.bfloat16):
+                want = nvfp4_gemm(a, w, bias, out_dtype=out)
+                got = fold_partials(parts, a.decode_scale, w.decode_scale, bias, out)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (m, cuts, out)

@@ -1,0 +1,393 @@
+// W4A4 GEMM for small M on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC).
+//
+// Same numbers as the Triton decode GEMM (kernels/w4a4_gemm.py, contract v2): Y^T = W @ A^T with
+// the weight decoded in registers straight into wgmma's A fragments (m64nBMk16, BF16, FP32
+// accumulator) and the activation, pre-decoded to BF16 in the GEMM's K order, staged once per
+// CTA in shared memory as wgmma's B operand. K order: per 128-element chunk the 8 nibble streams
+// (step p of a chunk: element 8j + p at k-position j); per 512-element fold chunk one wgmma chain
+// from zero; fold chunks added in order to a zero FP32 accumulator. Split K: each CTA's fold
+// chunks go to a float32 workspace, the tile's last CTA (atomic counter) folds them all in order.
+//
+// No headers (NVRTC finds none): integer types spelled out, conversions in PTX.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define FOLD_CHUNKS 4  // 128-element chunks per 512-element fold chunk
+#define ROWS 64        // weight rows per CTA (one warpgroup, 16 per warp)
+
+// Two code words (element pairs at k-positions 2t, 2t+1 of each stream) and their E4M3 scale
+// byte -> eight BF16x2 registers, o[p] = (nibble p of w0, nibble p of w1) * scale * 2^-7.
+// A nibble n becomes the BF16 bits ((n&7)<<6 | (n&8)<<12) = code * 2^-126, and the scale is
+// pre-multiplied by 2^119 (exact): one BF16x2 multiply gives code * scale * 2^-7, exactly.
+__device__ __forceinline__ void decode_pair(u32 w0, u32 w1, u32 scale_byte, u32 (&o)[8]) {
+  u32 s;
+  asm("{\n"
+      ".reg .b16 lo, hi;\n"
+      ".reg .b32 h2;\n"
+      ".reg .f16 h;\n"
+      ".reg .f32 f;\n"
+      "mov.b32 {lo, hi}, %1;\n"
+      "cvt.rn.f16x2.e4m3x2 h2, lo;\n"
+      "mov.b32 {h, hi}, h2;\n"
+      "cvt.f32.f16 f, h;\n"
+      "mul.rn.f32 f, f, 0f7B000000;\n"
+      "cvt.rn.bf16x2.f32 %0, f, f;\n"
+      "}\n"
+      : "=r"(s)
+      : "r"(scale_byte * 0x0101u));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 t;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(t) : "r"(w0), "r"(w1), "r"(0x4400u + 0x1111u * i));
+    u32 lo = ((t & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+    u32 hi = ((t & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o[2 * i]) : "r"(lo), "r"(s));
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(o[2 * i + 1]) : "r"(hi), "r"(s));
+  }
+}
+
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+template <int BM>
+struct Acc {
+  float d[BM / 2];
+};
+
+template <int BM>
+__device__ __forceinline__ void fence_acc(Acc<BM>& acc) {
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) asm volatile("" : "+f"(acc.d[i])::"memory");
+}
+
+#define WGMMA_HEAD(N) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" #N ", 0;\nwgmma.mma_async.sync.aligned.m64n"
+
+__device__ __forceinline__ void wgmma(Acc<8>& c, const u32 (&a)[4], u64 desc, int accumulate) {
+  asm volatile(WGMMA_HEAD(9) "8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma(Acc<16>& c, const u32 (&a)[4], u64 desc, int accumulate) {
+  asm volatile(WGMMA_HEAD(13) "16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, "
+                              "%12, p, 1, 1, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]),
+                 "+f"(c.d[5]), "+f"(c.d[6]), "+f"(c.d[7])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+// The raw weight data of one thread for one 128-element chunk: rows r0 and r0+8, words
+// {2t, 2t+1} and {2t+8, 2t+9}, and the scale bytes of blocks t and t+4 of both rows.
+struct Raw {
+  u32 w[8];
+  u32 s[4];
+};
+
+#ifdef MINITE_PHASE_TIMING
+#define PHASE_TIME(i)                                                                     \
+  if (threadIdx.x == 0 && p.phase_times) {                                                \
+    u64 now;                                                                              \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));                              \
+    p.phase_times[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 4 + \
+                  (i)] = now;                                                             \
+  }
+#else
+#define PHASE_TIME(i)
+#endif
+
+struct Params {
+  const u32* w_words;
+  const unsigned char* w_scales;
+  const float* w_dec;
+  const u32* a_words;
+  const unsigned char* a_scales;
+  const float* a_dec;
+  const float* bias;
+  void* y;
+  u64* phase_times;  // [CTAs, 4] global-timer stamps (builds with MINITE_PHASE_TIMING only)
+  long long stride_ww, stride_ws, stride_aw, stride_as, stride_ym, stride_yn;
+  int w_dec_stride, a_dec_stride;
+  int M, N, K, chunks_per_split, out_kind;  // out_kind: 0 bf16, 1 f16, 2 f32
+  u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
+};
+
+// Row pointers of one thread: rows r0 and r0+8 (clamped), words from 2t, scale bytes from t.
+struct Rows {
+  const uint2* w0;
+  const uint2* w1;
+  const unsigned char* s0;
+  const unsigned char* s1;
+};
+
+template <bool EVEN_K>
+__device__ __forceinline__ void load_raw(const Rows& rows, int ch, int t, int K, Raw& r) {
+  // Words 2t, 2t+1 hold elements 16t..16t+15 of the chunk, words 2t+8, 2t+9 elements
+  // 16t+64..16t+79: a pair is one scale block, valid iff inside K (else zeros).
+  const bool lo_ok = EVEN_K || ch * 128 + 16 * t + 16 <= K;
+  const bool hi_ok = EVEN_K || ch * 128 + 16 * t + 80 <= K;
+  const uint2* w0 = rows.w0 + ch * 8;
+  const uint2* w1 = rows.w1 + ch * 8;
+  const unsigned char* s0 = rows.s0 + ch * 8;
+  const unsigned char* s1 = rows.s1 + ch * 8;
+  uint2 z;
+  z.x = 0;
+  z.y = 0;
+  const uint2 a = lo_ok ? __ldg(w0) : z;
+  const uint2 b = lo_ok ? __ldg(w1) : z;
+  const uint2 c = hi_ok ? __ldg(w0 + 4) : z;
+  const uint2 d = hi_ok ? __ldg(w1 + 4) : z;
+  r.w[0] = a.x; r.w[1] = a.y; r.w[2] = b.x; r.w[3] = b.y;
+  r.w[4] = c.x; r.w[5] = c.y; r.w[6] = d.x; r.w[7] = d.y;
+  r.s[0] = lo_ok ? __ldg(s0) : 0u;
+  r.s[1] = lo_ok ? __ldg(s1) : 0u;
+  r.s[2] = hi_ok ? __ldg(s0 + 4) : 0u;
+  r.s[3] = hi_ok ? __ldg(s1 + 4) : 0u;
+}
+
+// A fragments of the 8 steps of a chunk: a[p] = {(r0, 2t..), (r1, 2t..), (r0, 2t+8..), (r1, 2t+8..)}.
+__device__ __forceinline__ void decode_raw(const Raw& r, u32 (&a)[8][4]) {
+  u32 o[8];
+  decode_pair(r.w[0], r.w[1], r.s[0], o);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) a[q][0] = o[q];
+  decode_pair(r.w[2], r.w[3], r.s[1], o);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) a[q][1] = o[q];
+  decode_pair(r.w[4], r.w[5], r.s[2], o);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) a[q][2] = o[q];
+  decode_pair(r.w[6], r.w[7], r.s[3], o);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) a[q][3] = o[q];
+}
+
+__device__ __forceinline__ float bits_f32(u32 v) { return __int_as_float((int)v); }
+
+template <int BM>
+__device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, int n_base, int m0,
+                                          int g, int t) {
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    const int j = i / 4, e = i % 4;
+    const int n = n_base + g + ((e & 2) ? 8 : 0);
+    const int m = m0 + 8 * j + 2 * t + (e & 1);
+    if (n >= p.N || m >= p.M) continue;
+    float v = __fmul_rn(acc.d[i], 16384.0f);
+    v = __fmul_rn(v, p.a_dec[(long long)m * p.a_dec_stride]);
+    v = __fmul_rn(v, p.w_dec[(long long)n * p.w_dec_stride]);
+    if (p.bias) v = __fadd_rn(v, p.bias[n]);
+    char* out = (char*)p.y;
+    const long long off = (long long)m * p.stride_ym + (long long)n * p.stride_yn;
+    if (p.out_kind == 2) {
+      ((float*)out)[off] = v;
+    } else {
+      unsigned short h;
+      if (p.out_kind == 0)
+        asm("{\n.reg .b32 x;\ncvt.rn.bf16x2.f32 x, %1, %1;\nmov.b32 {%0, _}, x;\n}\n"
+            : "=h"(h) : "f"(v));
+      else
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+      ((unsigned short*)out)[off] = h;
+    }
+  }
+}
+
+template <int BM, int P, bool EVEN_K>
+__device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Raw (&raw)[2],
+                                           u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
+                                           u64 desc0, unsigned char* smem, int ch, int ch_first,
+                                           int ch_end, int t, bool split) {
+  decode_raw(raw[P], a[P]);
+  if (ch + 2 < ch_end) load_raw<EVEN_K>(rows, ch + 2, t, p.K, raw[P]);
+  // Descriptor start addresses advance in 16-byte units: one step block is BM * 32 bytes.
+  const u64 desc = desc0 + (u64)((ch - ch_first) * 8 * BM * 2);
+  const int first_in_fold = (ch % FOLD_CHUNKS) == 0;
+  wgmma_fence();
+  fence_acc(part);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
+  }
+  wgmma_commit();
+  const bool fold_here = ((ch + 1) % FOLD_CHUNKS == 0) || (ch + 1 == ch_end);
+  if (fold_here) {
+    wgmma_wait<0>();
+    fence_acc(part);
+    if (split) {
+      // This fold chunk's partial replaces its (consumed) activation block in shared memory,
+      // where the cluster's first CTA reads it.
+      float* dst = (float*)(smem + (ch / FOLD_CHUNKS - ch_first / FOLD_CHUNKS) * (BM * 1024) +
+                            threadIdx.x * (BM * 2));
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) dst[i] = part.d[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+    }
+  } else {
+    wgmma_wait<1>();
+  }
+}
+
+template <int BM, bool EVEN_K, int SPLITS>
+__device__ __forceinline__ void gemm_small_m(const Params& p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int K = p.K;
+  const int k_pad = (K + 127) / 128 * 128;
+  const int n_folds = (K + 511) / 512;
+  const int fold_first = blockIdx.y * p.chunks_per_split;
+  const int fold_last = min(fold_first + p.chunks_per_split, n_folds);
+  const int ch_first = fold_first * FOLD_CHUNKS;
+  const int ch_end = min(fold_last * FOLD_CHUNKS, k_pad / 128);
+  PHASE_TIME(0);
+  const bool split = SPLITS > 1;
+  const int m0 = blockIdx.z * BM;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.x * ROWS + 16 * warp;
+  const long long row0 = min(n_base + g, p.N - 1);
+  const long long row1 = min(n_base + g + 8, p.N - 1);
+  Rows rows;
+  rows.w0 = (const uint2*)(p.w_words + row0 * p.stride_ww + 2 * t);
+  rows.w1 = (const uint2*)(p.w_words + row1 * p.stride_ww + 2 * t);
+  rows.s0 = p.w_scales + row0 * p.stride_ws + t;
+  rows.s1 = p.w_scales + row1 * p.stride_ws + t;
+
+
+  // Stage the activation slice: step block (chunk c, stream q) = BM rows x 16 k-positions,
+  // core matrices of 8 rows x 8 k (128 bytes) at rowgroup * sbo + khalf * lbo.
+  const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
+  Raw raw[2];
+  if (ch_first < ch_end) load_raw<EVEN_K>(rows, ch_first, t, K, raw[0]);
+  if (ch_first + 1 < ch_end) load_raw<EVEN_K>(rows, ch_first + 1, t, K, raw[1]);
+  {
+    // The activation's valid rows decoded from their codes into wgmma's B step blocks: one word
+    // pair (16 elements, one scale) per thread at a time, a BF16x2 per stream. Rows past M are
+    // left unwritten: they only feed output columns that are never stored.
+    const int valid_rows = min(BM, p.M - m0);
+    const int pairs = valid_rows * (ch_end - ch_first) * 8;
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+      const int tp = i & 7, rc = i >> 3;
+      const int r = rc % valid_rows, c = rc / valid_rows, ch = ch_first + c;
+      u32 w0 = 0, w1 = 0, sb = 0;
+      if (EVEN_K || ch * 128 + 16 * tp + 16 <= K) {
+        const uint2 w = __ldg((const uint2*)(p.a_words + (long long)(m0 + r) * p.stride_aw +
+                                             ch * 16 + 2 * tp));
+        w0 = w.x;
+        w1 = w.y;
+        sb = __ldg(p.a_scales + (long long)(m0 + r) * p.stride_as + ch * 8 + tp);
+      }
+      u32 o[8];
+      decode_pair(w0, w1, sb, o);
+      // stream q, k-positions 2tp and 2tp+1: core matrix (r / 8, tp / 4), row r % 8
+      unsigned char* dst = smem + c * 8 * (BM * 32) + (r / 8) * p.sbo + (tp / 4) * p.lbo +
+                           (r % 8) * 16 + (tp % 4) * 4;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+  }
+  PHASE_TIME(1);
+
+  u32 a[2][8][4];
+  Acc<BM> part, acc;
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    part.d[i] = 0.f;
+    acc.d[i] = 0.f;
+  }
+  const u64 desc0 = smem_desc(smem_base, p.lbo, p.sbo);
+  int ch = ch_first;
+  for (; ch + 1 < ch_end; ch += 2) {
+    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch, ch_first, ch_end, t,
+                              split);
+    chunk_step<BM, 1, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch + 1, ch_first, ch_end,
+                              t, split);
+  }
+  if (ch < ch_end)
+    chunk_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, desc0, smem, ch, ch_first, ch_end, t,
+                              split);
+
+  PHASE_TIME(2);
+  if (!split) {
+    store_out<BM>(p, acc, n_base, m0, g, t);
+    PHASE_TIME(3);
+    return;
+  }
+  // The split CTAs of a tile form a cluster; each holds its fold chunks' partials in shared
+  // memory. The first CTA reads them all (distributed shared memory), in fold order.
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+  u32 rank;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (rank == 0) {
+    const int per_split = p.chunks_per_split;
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
+    const u32 mine = smem_base + threadIdx.x * (BM * 2);
+#pragma unroll 1
+    for (int r = 0; r < SPLITS; ++r) {
+      const int count = max(0, min(per_split, n_folds - r * per_split));
+      u32 remote;
+      asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(mine), "r"(r));
+      // all of this CTA's fold chunks in flight together (at most 64 / BM), then added in order
+      constexpr int MAXF = 64 / BM;
+      float v[MAXF][BM / 2];
+#pragma unroll
+      for (int f = 0; f < MAXF; ++f) {
+        if (f < count) {
+#pragma unroll
+          for (int i = 0; i < BM / 2; i += 4)
+            asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v[f][i]), "=f"(v[f][i + 1]), "=f"(v[f][i + 2]), "=f"(v[f][i + 3])
+                         : "r"(remote + f * (BM * 1024) + i * 4)
+                         : "memory");
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < MAXF; ++f) {
+        if (f < count) {
+#pragma unroll
+          for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], v[f][i]);
+        }
+      }
+    }
+    store_out<BM>(p, acc, n_base, m0, g, t);
+  }
+  // Keep every CTA's shared memory alive until the first one has read it.
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+  PHASE_TIME(3);
+}
+
+#define SMALL_M_KERNEL(BM, S)                                                              \
+  extern "C" __global__ void __cluster_dims__(1, S, 1) __launch_bounds__(128, 4)              \
+      w4a4_small_m##BM##_s##S(const Params p) {                                               \
+    gemm_small_m<BM, false, S>(p);                                                            \
+  }                                                                                           \
+  extern "C" __global__ void __cluster_dims__(1, S, 1) __launch_bounds__(128, 4)              \
+      w4a4_small_m##BM##_s##S##_even_k(const Params p) {                                      \
+    gemm_small_m<BM, true, S>(p);                                                             \
+  }
+SMALL_M_KERNEL(8, 1)
+SMALL_M_KERNEL(8, 2)
+SMALL_M_KERNEL(8, 4)
+SMALL_M_KERNEL(8, 8)
+SMALL_M_KERNEL(16, 1)
+SMALL_M_KERNEL(16, 2)
+SMALL_M_KERNEL(16, 4)
+SMALL_M_KERNEL(16, 8)
