@@ -30,6 +30,7 @@ weight, BF16 for the rest) or ``"bf16"`` (HF weights that the sampler quantizes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -335,7 +336,9 @@ def send_weights(
     except WeightSyncError:
         raise
     except BaseException as e:
-        message("abort", f"{type(e).__name__}: {e}")
+        # If even the abort cannot go out, the receivers see a broken group; the cause is ``e``.
+        with contextlib.suppress(WeightSyncError):
+            message("abort", f"{type(e).__name__}: {e}")
         raise
     if cursor or index:
         flush()
