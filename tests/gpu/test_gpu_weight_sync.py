@@ -1,7 +1,8 @@
 """The streamed weight sync's NCCL branch (``NcclChannel``: vLLM's StatelessProcessGroup and
 PyNcclCommunicator) between two processes on two GPUs: every byte arrives, and its time is
-printed against one plain NCCL broadcast of the same bytes (run with ``-s``). Needs two CUDA GPUs and vLLM's CUDA build; skipped otherwise (never
-run so far: the lent machines have no vLLM, and the 2-GPU kind was not lent)."""
+printed against one plain NCCL broadcast of the same bytes (run with ``-s``). Needs two CUDA GPUs
+and vLLM's CUDA build; skipped otherwise (never run so far: the lent machines have no vLLM, and
+the 2-GPU kind was not lent)."""
 
 from __future__ import annotations
 
