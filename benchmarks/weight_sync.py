@@ -13,10 +13,10 @@ it by each method, timed in the same run:
 
 The learner's NVFP4 tensors are quantized before the clock starts, as the learner holds them
 already (its forward pass computes with them); that time is reported separately. Peak memory is
-each process's anonymous resident memory (``RssAnon``, sampled every 2 ms) at its highest above
-its level before the sync: the sender (this process), vLLM's engine-core process and its worker
-(the script re-runs itself with glibc's mmap threshold fixed at 4 MiB, so that freed buffers of
-that size and more leave the process instead of hiding the next sync's peak). Every method runs
+what each process holds at its highest above its level before the sync: the sender (this
+process) and vLLM's worker by glibc's count of allocated bytes (``mallinfo2``, sampled every
+millisecond by a thread; in the worker, started through ``collective_rpc``), vLLM's engine-core
+process by its anonymous resident memory (``RssAnon``). Every method runs
 ``--repeats`` times, interleaved; the table gives medians. After every sync the sampler's NVFP4
 tensors are checked bitwise against ``quantize_weight`` of the pushed weights. Prints a table
 last; ``--out DIR`` writes every run as JSON.
@@ -28,12 +28,12 @@ last; ``--out DIR`` writes every run as JSON.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -57,50 +57,83 @@ MOE = TinyModelSpec(moe=True, hidden_size=1024, num_layers=8, num_heads=16, num_
                     head_dim=128, num_experts=32, experts_per_token=4,
                     moe_intermediate_size=256)  # fmt: skip
 METHODS = ("rpc-bf16", "rpc-nvfp4", "stream-bf16", "stream-nvfp4")
-MMAP_THRESHOLD = 4 << 20
 
 
-class PeakSampler:
-    """Samples the anonymous resident memory (``RssAnon``: heap and tensors, not mapped files) of
-    some processes every ``interval_s`` in a thread; :meth:`stop` returns each one's peak above
-    its level at the start, in MiB."""
+class HeapPeak:
+    """The peak of the bytes this process holds from malloc (glibc ``mallinfo2``: heap blocks in
+    use plus mmapped blocks; torch's CPU tensors and Python's large objects come from there),
+    sampled every ``interval_s`` by a thread; :meth:`stop` returns it above the level at the
+    start, in MiB. Counts allocations, not resident pages, so memory that glibc keeps after a
+    free neither hides a later peak nor counts as one."""
 
-    def __init__(self, pids: dict[str, int], interval_s: float = 0.002) -> None:
-        self.pids, self.interval_s = pids, interval_s
-        self.base = {role: _rss_anon(pid) for role, pid in pids.items()}
-        self.peak = dict(self.base)
+    def __init__(self, interval_s: float = 0.001) -> None:
+        fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                  "uordblks", "fordblks", "keepcost")  # fmt: skip
+        # Made here, not at module level: this class also travels to vLLM's worker by value.
+        mallinfo2 = type("mallinfo2", (ctypes.Structure,),
+                         {"_fields_": [(f, ctypes.c_size_t) for f in fields]})  # fmt: skip
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = mallinfo2
+        self.in_use = lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+        self.base = self.peak = self.in_use()
+        self.interval_s = interval_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.done.wait(self.interval_s):
-            for role, pid in self.pids.items():
-                self.peak[role] = max(self.peak[role], _rss_anon(pid))
+            self.peak = max(self.peak, self.in_use())
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> float:
         self.done.set()
         self.thread.join()
-        return {role: (self.peak[role] - self.base[role]) / 2**20 for role in self.pids}
+        self.peak = max(self.peak, self.in_use())
+        return (self.peak - self.base) / 2**20
 
 
-def _rss_anon(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError("RssAnon")
+class RssPeak:
+    """The peak anonymous resident memory (``RssAnon``) of another process above its level at
+    the start, sampled every 2 ms, in MiB (for vLLM's engine-core process, which runs no code of
+    ours; what passes through it in these syncs are large buffers, which glibc maps and unmaps)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = self.peak = self._rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _rss(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        raise KeyError("RssAnon")
+
+    def _run(self) -> None:
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return (self.peak - self.base) / 2**20
 
 
-def _processes() -> dict[str, int]:
-    """This process and vLLM's engine-core and worker processes, by role."""
-    roles = {"sender": psutil.Process().pid}
+def _worker_peak_start(self) -> None:
+    """Runs in vLLM's worker: start a :class:`HeapPeak` there."""
+    self._bench_peak = HeapPeak()
+
+
+def _worker_peak_stop(self) -> float:
+    return self._bench_peak.stop()
+
+
+def _engine_core_pid() -> int:
     for child in psutil.Process().children(recursive=True):
-        name = " ".join(child.cmdline()) + child.name()
-        if "Worker" in name:
-            roles["worker"] = child.pid
-        elif "EngineCore" in name:
-            roles["engine-core"] = child.pid
-    return roles
+        if "EngineCore" in " ".join(child.cmdline()) + child.name():
+            return child.pid
+    raise RuntimeError("no vLLM engine-core process found")
 
 
 def nvfp4_state(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -149,14 +182,18 @@ def push(method: str, llm, bf16: dict, nvfp4: dict, bucket_bytes: int) -> dict[s
             "buckets": stats.buckets}  # fmt: skip
 
 
-def measure(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``fn``; add its time and each process's peak memory above its level before (MiB)."""
+def measure(llm, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``fn``; add its time and the peak memory (MiB above the level before) of the sender
+    (this process), vLLM's engine-core process and its worker."""
     gc.collect()
-    sampler = PeakSampler(_processes())
+    llm.collective_rpc(_worker_peak_start)
+    sender, core = HeapPeak(), RssPeak(_engine_core_pid())
     start = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - start
-    return {**result, "seconds": seconds, "peak_mib": sampler.stop()}
+    peaks = {"sender": sender.stop(), "engine-core": core.stop(),
+             "worker": llm.collective_rpc(_worker_peak_stop)[0]}  # fmt: skip
+    return {**result, "seconds": seconds, "peak_mib": peaks}
 
 
 def bench_model(
@@ -190,7 +227,7 @@ def bench_model(
         for i, method in enumerate(methods * repeats):
             key = "b" if i % 2 == 0 else "a"  # alternate, so every sync changes every tensor
             bf16, nvfp4, quantize_s = targets[key]
-            row = measure(lambda m=method, w=(bf16, nvfp4): push(m, llm, *w, bucket_bytes))
+            row = measure(llm, lambda m=method, w=(bf16, nvfp4): push(m, llm, *w, bucket_bytes))
             row |= {"model": name, "params": params, "method": method,
                     "learner_quantize_s": quantize_s if method.endswith("nvfp4") else None,
                     "bitwise_ok": sampler_matches(llm, nvfp4)}  # fmt: skip
@@ -244,17 +281,11 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
-        # glibc keeps freed heap memory for reuse and raises its mmap threshold up to 32 MiB as
-        # large blocks are freed, so one sync's freed buffers would hide the next one's peak.
-        # A fixed threshold maps every large buffer on its own and unmaps it when freed (4 MiB:
-        # lower thresholds slow vLLM's loading down several times with mmap calls).
-        env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the worker-side memory probe
     configure_cpu_engines()
     torch.manual_seed(0)
     bucket_bytes = int(args.bucket_mib * 2**20) // 16 * 16
-    specs = {"dense": DENSE, "moe": MOE}
+    specs = {"dense": DENSE, "moe": MOE, "tiny": TinyModelSpec()}  # tiny: a quick smoke run
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="minite-weight-sync-") as tmp:
         for name in args.models.split(","):
