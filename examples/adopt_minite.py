@@ -2,7 +2,8 @@
 
 1. Learner: build the Megatron model with miniTE's spec (one call in the model provider).
 2. Sampler: start vLLM with ``quantization="minite"`` and miniTE's worker extension.
-3. Weight sync: after each optimizer step, push the learner's weights (one call).
+3. Weight sync: after each optimizer step, stream the learner's NVFP4 tensors into vLLM over a
+   collective group (set up once), all-or-nothing.
 4. Diagnostics: compare the sampler's and the learner's log-probs of the rollout tokens.
 
 Run it (CPU, about a minute): ``python examples/adopt_minite.py``. Your own trainer replaces the
@@ -28,7 +29,8 @@ def main() -> None:
     import minite_megatron as mm
     from minite.tiny_model import write_tiny_model
     from minite_common.diagnostics import logprob_mismatch
-    from minite_vllm import WORKER_EXTENSION, pack_weights
+    from minite_vllm import WORKER_EXTENSION
+    from minite_vllm.sync import connect_weight_sync, sync_weights
 
     model_dir = write_tiny_model(tempfile.mkdtemp(prefix="adopt-minite-"))  # your checkpoint
 
@@ -72,10 +74,15 @@ def main() -> None:
     report = logprob_mismatch(sampler_lp, learner_lp)
     print(report.table())
 
-    # 3. Weight sync: the sampler re-quantizes the new BF16 weights to the learner's bits. # miniTE
-    llm.collective_rpc("update_weights_bf16", args=(pack_weights(mm.export_hf_weights(model)),))
-    llm.reset_prefix_cache()  # K/V cached for earlier prompts came from the old weights
-    print("weights pushed; the next rollout samples from the updated policy")
+    # 3. Weight sync: stream the learner's own NVFP4 tensors into vLLM over a collective group,
+    #    in fixed-size buckets, all-or-nothing (set the group up once; gloo here, NCCL on GPUs).
+    #    sync_weights also resets vLLM's prefix cache (its K/V came from the old weights).
+    connect_weight_sync(llm)  # miniTE
+    fingerprint = mm.hf_quantization_config(model)["fingerprint"]
+    stats = sync_weights(llm, mm.export_hf_weights(model, quantized=True),  # miniTE
+                         recipe_fingerprint=fingerprint)  # fmt: skip
+    print(f"weights pushed ({stats.payload_bytes} bytes in {stats.buckets} buckets); "
+          "the next rollout samples from the updated policy")  # fmt: skip
 
 
 if __name__ == "__main__":

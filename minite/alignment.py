@@ -33,6 +33,7 @@ from minite_common.diagnostics import (
     diff_fingerprints,
     logprob_mismatch,
 )
+from minite_common.weight_sync import SyncStats
 
 #: vLLM settings for the CPU build (docs/contract.md section 10); callers may override.
 VLLM_CPU_KWARGS = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}
@@ -126,7 +127,10 @@ def start_sampler(
 
 
 def stop_sampler(llm: Any) -> None:
-    """Shut a vLLM engine down and free its processes."""
+    """Shut a vLLM engine down (and its weight-sync group) and free its processes."""
+    from minite_vllm.sync import close_weight_sync
+
+    close_weight_sync(llm)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -331,14 +335,24 @@ def layer_alignment(
     return comparison, fingerprints, sampler
 
 
-def sync_weights(llm: Any, model: torch.nn.Module) -> None:
-    """Push the learner's weights (HF names, BF16) into the running sampler, which re-quantizes
-    them with the same recipe: the RL weight sync, one call."""
-    from minite_megatron import export_hf_weights
-    from minite_vllm import pack_weights
+def sync_weights(llm: Any, model: torch.nn.Module, *, bucket_bytes: int | None = None) -> SyncStats:
+    """The RL weight sync, one call: stream the learner's weights into the running sampler through
+    miniTE's collective transport (:mod:`minite_vllm.sync`; the group is set up on first use),
+    all-or-nothing, and reset its prefix cache. A miniTE learner sends the NVFP4 tensors it
+    computes with (codes, scales, decode scales; BF16 for the layers the recipe keeps in high
+    precision), checked against the sampler's recipe; a BF16 learner sends BF16 weights, which
+    the sampler quantizes."""
+    from minite_megatron import export_hf_weights, hf_quantization_config
+    from minite_megatron.linear import NVFP4LinearMixin
+    from minite_vllm.sync import sync_weights as stream
 
-    llm.collective_rpc("update_weights_bf16", args=(pack_weights(export_hf_weights(model)),))
-    llm.reset_prefix_cache()  # cached K/V of earlier prompts were computed with the old weights
+    nvfp4 = any(isinstance(m, NVFP4LinearMixin) for m in model.modules())
+    fingerprint = hf_quantization_config(model)["fingerprint"] if nvfp4 else None
+    extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    return stream(
+        llm, export_hf_weights(model, quantized=nvfp4), payload="nvfp4" if nvfp4 else "bf16",
+        recipe_fingerprint=fingerprint, **extra,
+    )  # fmt: skip
 
 
 def weights_in_sync(llm: Any, model: torch.nn.Module) -> bool:

@@ -6,8 +6,9 @@
    log-probs; a rule-based reward scores them; the learner (Megatron-Core, miniTE spec) computes
    its log-probs of the same tokens and takes a clipped policy-gradient step with a truncated
    importance-sampling (TIS) correction ``min(exp(lp_learner - lp_sampler), cap)``, which is 1
-   when the engines agree; the new weights go into the running vLLM engine (re-quantized there
-   to the learner's bits), and the sync is checked bitwise.
+   when the engines agree; the new weights stream into the running vLLM engine through miniTE's
+   collective transport (:mod:`minite_vllm.sync`: the learner's own NVFP4 tensors, or BF16
+   weights that vLLM quantizes for a BF16 learner), and the sync is checked bitwise.
 3. Per step: reward, accuracy, mismatch figures, TIS weights, step time; at the end a terminal
    table, what the run shows (:func:`findings`), ``report.json`` and ``report.png``.
 By default the miniTE run uses the recipe's strict mode, where the ops between the linears are
@@ -324,7 +325,7 @@ def rl_run(
             rewards=rewards, sampler_lp=rollouts.logprobs, old_lp=old_lp,
             group_size=cfg.group_size, clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap,
         ))  # fmt: skip
-        sync_weights(llm, learner.model)
+        sync = sync_weights(llm, learner.model)
         in_sync = weights_in_sync(llm, learner.model) if nvfp4_learner else None
         records.append({
             "step": step, "setup": name, "reward": sum(rewards) / len(rewards), "loss": loss,
@@ -335,7 +336,8 @@ def rl_run(
             "tis_weight_mean": mismatch["ratio_mean"],
             "tis_weight_min": mismatch["ratio_min"], "tis_weight_max": mismatch["ratio_max"],
             "tis_clip_fraction": mismatch["tis_clip_fraction"], "tokens": mismatch["tokens"],
-            "weights_bitwise_in_sync": in_sync,
+            "weights_bitwise_in_sync": in_sync, "sync_bytes": sync.payload_bytes,
+            "sync_s": sync.seconds,
             "sample_s": t_sample, "step_s": time.perf_counter() - start,
         })  # fmt: skip
         r = records[-1]

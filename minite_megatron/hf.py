@@ -25,8 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 from safetensors import safe_open
 
-from minite_common import quantize_weight
-from minite_common.checkpoint import nvfp4_to_state, quantization_config
+from minite_common.checkpoint import quantization_config
 
 from .experts import MiniTEGroupedMLP
 from .layout import (
@@ -335,8 +334,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
         raise ValueError(f"load_hf_weights: HF tensors the model does not use: {unused}")
 
 
-def _gather(b: WeightBinding) -> list[torch.Tensor]:
-    shard = b.tensor.detach()
+def _gather(b: WeightBinding, shard: torch.Tensor) -> list[torch.Tensor]:
     size = get_pg_size(b.group)
     if b.kind == "replicated" or size == 1:
         return [shard]
@@ -345,8 +343,12 @@ def _gather(b: WeightBinding) -> list[torch.Tensor]:
     return shards
 
 
-def _full_hf_tensors(b: WeightBinding) -> Iterator[tuple[str, torch.Tensor]]:
-    shards = _gather(b)
+def _full_hf_tensors(
+    b: WeightBinding, shard: torch.Tensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each HF tensor of binding ``b``, whole; ``shard`` (default: this rank's weight) may be
+    any tensor with the weight's row layout, e.g. its NVFP4 codes or scales."""
+    shards = _gather(b, b.tensor.detach() if shard is None else shard)
     if b.kind == "replicated":
         yield b.hf_names["weight"], shards[0]
     elif b.kind == "row":
@@ -373,19 +375,36 @@ def export_hf_weights(
 
     With ``quantized``, each weight of an NVFP4 linear comes as the miniTE checkpoint tensors
     (``.weight`` codes, ``.weight_scale``, ``.weight_scale_2``; see
-    :mod:`minite_common.checkpoint`), quantized from the BF16 tensor with that linear's recipe:
-    bitwise what both engines compute with. Call on every TP rank (each all-gathers).
+    :mod:`minite_common.checkpoint`) taken from the NVFP4 copy the linear computes with
+    (quantized from the BF16 weight when stale): bitwise ``quantize_weight`` of the HF tensor
+    under that linear's recipe, the bytes both engines compute with. Call on every TP rank (each
+    all-gathers).
     """
     for b in weight_bindings(model):
-        nvfp4 = quantized and isinstance(b.module, NVFP4LinearMixin)
+        if quantized and isinstance(b.module, NVFP4LinearMixin):
+            yield from _quantized_hf_tensors(b)
+            continue
         for name, tensor in _full_hf_tensors(b):
-            tensor = tensor.to(EXPORT_DTYPE)
-            if nvfp4:
-                prefix = name.removesuffix(".weight")
-                w_q = quantize_weight(tensor, recipe=b.module.recipe, name=name)
-                yield from nvfp4_to_state(prefix, w_q).items()
-            else:
-                yield name, tensor
+            yield name, tensor.to(EXPORT_DTYPE)
+
+
+def _quantized_hf_tensors(b: WeightBinding) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of each HF weight of NVFP4 binding ``b``, cut from its linear's
+    cached NVFP4 copy (rows in the binding's layout; experts stacked) and gathered over TP."""
+    w_q = b.module.quantized_weight()
+    rows = b.tensor.shape[0]
+    start = 0 if b.expert is None else b.expert * rows
+    layout = {
+        "weight": w_q.codes[start : start + rows],
+        "weight_scale": w_q.scales[start : start + rows].view(torch.uint8),
+        "weight_scale_2": w_q.channel_decode_scale()[start : start + rows].unsqueeze(1),
+    }
+    whole = {suffix: dict(_full_hf_tensors(b, t.contiguous())) for suffix, t in layout.items()}
+    for name in whole["weight"]:
+        prefix = name.removesuffix(".weight")
+        yield f"{prefix}.weight", whole["weight"][name]
+        yield f"{prefix}.weight_scale", whole["weight_scale"][name].view(torch.float8_e4m3fn)
+        yield f"{prefix}.weight_scale_2", whole["weight_scale_2"][name][0, 0].clone()
 
 
 def hf_quantization_config(model: torch.nn.Module) -> dict[str, Any]:

@@ -6,7 +6,8 @@ parameter's loader redirected to a staging copy; BF16 weights of quantized layer
 this rank and quantized with the amax of the whole HF tensor, as ``quantize_weight`` does on the
 learner. Only when every name, shape, dtype and value has passed are the staged
 values copied into the live tensors, whose addresses never change. A failed update raises and
-leaves the previous weights serving.
+leaves the previous weights serving. :class:`StreamedUpdate` does the same for a sync streamed in
+buckets through :mod:`minite_common.weight_sync`, staging each tensor as it arrives.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, quantize_weight
+from minite_common import NVFP4Recipe, NVFP4Tensor, check_fingerprints, quantize_weight, weight_sync
 from minite_common.checkpoint import nvfp4_to_state
 from minite_common.diagnostics import execution_record
 from minite_common.parallel import weight_amax
+from minite_common.weight_sync import Channel, Header, SyncStats
 
 from .config import hf_expert_names, hf_module_names
 from .layer import (
@@ -78,24 +80,35 @@ class _StagedUpdate:
         restore = self._install_stagers()
         try:
             for name, tensor in weights:
-                self.name = name
-                try:
-                    self.model.load_weights([(name, tensor)])
-                except Exception as e:
-                    given = f"{tensor.dtype} {list(tensor.shape)}"
-                    reason = str(e) or (
-                        f"vLLM's loader refused it ({type(e).__name__}) for this rank's "
-                        f"parameter {self.target}: the shape does not fit"
-                    )
-                    raise ValueError(f"weight update: {name} ({given}): {reason}") from e
-                if name not in self.resolved:
-                    raise ValueError(f"weight update: {name} is not a weight of this model")
-            for _, method in self.layers.values():
-                method.check_complete("weight update", SUFFIXES, touched_only=True)
+                self.stage(name, tensor)
+            self.check_complete()
         finally:
             restore()
-            for _, method in self.layers.values():
-                method.loaded.clear()
+            self.forget_loaded()
+
+    def stage(self, name: str, tensor: torch.Tensor) -> None:
+        """Stage one weight (the stagers must be installed); raise naming it if it does not fit."""
+        self.name = name
+        try:
+            self.model.load_weights([(name, tensor)])
+        except Exception as e:
+            given = f"{tensor.dtype} {list(tensor.shape)}"
+            reason = str(e) or (
+                f"vLLM's loader refused it ({type(e).__name__}) for this rank's "
+                f"parameter {self.target}: the shape does not fit"
+            )
+            raise ValueError(f"weight update: {name} ({given}): {reason}") from e
+        if name not in self.resolved:
+            raise ValueError(f"weight update: {name} is not a weight of this model")
+
+    def check_complete(self) -> None:
+        """Raise naming any NVFP4 weight that received only some of its checkpoint tensors."""
+        for _, method in self.layers.values():
+            method.check_complete("weight update", SUFFIXES, touched_only=True)
+
+    def forget_loaded(self) -> None:
+        for _, method in self.layers.values():
+            method.loaded.clear()
 
     def _install_stagers(self) -> Callable[[], None]:
         """Point every parameter's loader at a stager. For a high-precision update, an NVFP4
@@ -240,6 +253,14 @@ def _load_into(
     return loader(*args, **kwargs)
 
 
+def _check_tensor(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"weight update: {name}: expected a torch.Tensor, got {type(tensor)}")
+    values = tensor.float() if tensor.dtype.itemsize == 1 else tensor
+    if tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise ValueError(f"weight update: {name}: holds NaN/Inf values")
+
+
 def _checked_list(weights: Weights) -> list[tuple[str, torch.Tensor]]:
     weights = list(weights)
     names = [name for name, _ in weights]
@@ -247,11 +268,7 @@ def _checked_list(weights: Weights) -> list[tuple[str, torch.Tensor]]:
     if duplicates:
         raise ValueError(f"weight update: names given more than once: {duplicates}")
     for name, tensor in weights:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight update: {name}: expected a torch.Tensor, got {type(tensor)}")
-        values = tensor.float() if tensor.dtype.itemsize == 1 else tensor
-        if tensor.is_floating_point() and not bool(torch.isfinite(values).all()):
-            raise ValueError(f"weight update: {name}: holds NaN/Inf values")
+        _check_tensor(name, tensor)
     return weights
 
 
@@ -277,6 +294,63 @@ def update_weights_quantized(
     staged = _StagedUpdate(model, nvfp4_input=True)
     staged.resolve(_checked_list(weights))
     staged.commit()
+
+
+class StreamedUpdate:
+    """The vLLM side of a streamed sync (a :class:`minite_common.weight_sync.Receiver`): each
+    tensor is checked and staged as it arrives, exactly as :func:`update_weights_bf16` /
+    :func:`update_weights_quantized` stage a list, and committed only after every rank accepted.
+
+    The commit needs the staged copies: for an NVFP4 payload, a copy of the codes and scales of
+    every quantized layer it touches plus the high-precision tensors it carries; for a BF16
+    payload, the quantized parts plus the high-precision tensors. Never the BF16 model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.staged: _StagedUpdate | None = None
+        self.restore: Callable[[], None] | None = None
+        self.seen: set[str] = set()
+
+    def begin(self, header: Header) -> None:
+        layers = quantized_layers(self.model)
+        if layers and (header.payload == "nvfp4" or header.recipe_fingerprint is not None):
+            check_fingerprints(
+                layers[0][1].recipe.fingerprint(), header.recipe_fingerprint, "weight sync"
+            )
+        self.staged = _StagedUpdate(self.model, nvfp4_input=header.payload == "nvfp4")
+        self.seen = set()
+        self.restore = self.staged._install_stagers()
+
+    def stage(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.seen:
+            raise ValueError(f"weight update: {name} was sent more than once")
+        self.seen.add(name)
+        _check_tensor(name, tensor)
+        self.staged.stage(name, tensor)
+
+    def finish(self) -> None:
+        self.staged.check_complete()
+
+    def commit(self) -> None:
+        staged = self.staged
+        self._release()
+        staged.commit()
+
+    def discard(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self.restore is not None:
+            self.restore()
+            self.staged.forget_loaded()
+        self.staged, self.restore = None, None
+
+
+@torch.no_grad()
+def receive_weights(model: torch.nn.Module, channel: Channel) -> SyncStats:
+    """Receive one streamed sync from ``channel`` into ``model``, all-or-nothing (see
+    :mod:`minite_common.weight_sync`)."""
+    return weight_sync.receive_weights(channel, StreamedUpdate(model))
 
 
 def quantized_weights(

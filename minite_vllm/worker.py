@@ -2,10 +2,12 @@
 ``llm.collective_rpc("update_weights_bf16", args=(pack_weights(state_dict),))`` and friends.
 
 Every method runs on each worker; with tensor parallelism each rank receives the full HF tensors
-and keeps its own shard. vLLM's RPC does not carry tensors intact between processes, so weights
-travel as safetensors bytes (:func:`minite_vllm.pack_weights`); a list of ``(name, tensor)``
-pairs is accepted too when the call stays in one process. ``collective_rpc`` returns one result
-per worker.
+and keeps its own shard. Large updates stream through a collective group
+(:mod:`minite_common.weight_sync`): ``init_weight_sync`` joins it once, ``receive_weights`` takes
+one sync (see :mod:`minite_vllm.sync` for the driver side). Small ones may go through the RPC
+itself as safetensors bytes (:func:`minite_vllm.pack_weights`, since vLLM's RPC does not carry
+tensors intact between processes); a list of ``(name, tensor)`` pairs is accepted too when the
+call stays in one process. ``collective_rpc`` returns one result per worker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from minite_common import weight_sync
 
 from . import capture, pack_weights, unpack_weights, updates
 from .config import MiniteConfig
@@ -56,6 +60,50 @@ class MiniteWorkerExtension:
         updates.update_weights_quantized(
             self._minite_model(), _weights(weights), recipe_fingerprint
         )
+
+    def init_weight_sync(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        timeout_s: float = weight_sync.DEFAULT_TIMEOUT_S,
+    ) -> int:
+        """Join the sync group whose rank 0 (the learner's sender) hosts ``host:port``, as rank
+        ``rank_offset + `` this worker's rank in vLLM (its TP/PP rank); returns that rank.
+        Replaces a group joined before. ``backend`` "nccl" uses this worker's CUDA device."""
+        self.close_weight_sync()
+        rank = rank_offset + self.rank
+        device = getattr(self, "device", None) if backend == "nccl" else None
+        self._minite_channel = weight_sync.connect(
+            host, port, rank, world_size, backend=backend, timeout_s=timeout_s, device=device
+        )
+        return rank
+
+    def receive_weights(self) -> dict[str, Any]:
+        """Receive one streamed sync (all-or-nothing; the previous weights keep serving if it
+        fails); returns its :class:`~minite_common.weight_sync.SyncStats` as a dict. A broken
+        group is closed: join a new one with ``init_weight_sync``."""
+        self._minite_config()
+        channel = getattr(self, "_minite_channel", None)
+        if channel is None:
+            raise RuntimeError(
+                "receive_weights: this worker has no sync group; call init_weight_sync first "
+                "(minite_vllm.sync.connect_weight_sync does)"
+            )
+        try:
+            return updates.receive_weights(self._minite_model(), channel).to_dict()
+        except weight_sync.WeightSyncError:
+            self.close_weight_sync()
+            raise
+
+    def close_weight_sync(self) -> None:
+        """Leave the sync group, if any."""
+        channel = getattr(self, "_minite_channel", None)
+        if channel is not None:
+            channel.close()
+        self._minite_channel = None
 
     def get_quantized_weights(self, hf_names: list[str] | None = None) -> bytes:
         """This rank's NVFP4 tensors of ``hf_names`` (all if None) in checkpoint format, packed

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-TIMING_KEYS = {"sample_s", "step_s"}
+TIMING_KEYS = {"sample_s", "step_s", "sync_s"}
 
 
 #: Caps torch's kernels, oneDNN and MKL at AVX2, and one thread: an AVX2-only machine's bits.
@@ -66,6 +66,8 @@ def test_demo_runs_end_to_end_and_is_reproducible(default_run, tmp_path):
         assert r["tis_weight_mean"] == 1.0
     for r in usual:
         assert r["token_mult_prob_error"] > 1.0 and r["weights_bitwise_in_sync"] is None
+    # The strict learner streams its NVFP4 tensors, the BF16 learner BF16 weights.
+    assert 0 < strict[0]["sync_bytes"] < usual[0]["sync_bytes"]
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     config = first["config"]  # JSON types, not strings
     assert config["steps"] == 2 and config["strict"] is True and config["compare"] is True

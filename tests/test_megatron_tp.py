@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from minite_common import quantize_weight, row_amax, w4a4_linear
+from minite_common.checkpoint import nvfp4_to_state
 from minite_megatron import build_gpt_model_from_hf, export_hf_weights, init_megatron
 from minite_megatron import token_logprobs as learner_logprobs
 from minite_megatron.hf import HFCheckpoint, weight_bindings
@@ -29,6 +30,20 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(TP)]
     dist.all_gather(out, t.contiguous(), group=group)
     return out
+
+
+def _check_quantized_export(model, ckpt: HFCheckpoint) -> None:
+    """The quantized export (what a weight sync sends), gathered from each rank's NVFP4 shards,
+    is bitwise ``quantize_weight`` of every whole HF tensor."""
+    quantized = dict(export_hf_weights(model, quantized=True))
+    prefixes = [n.removesuffix(".weight_scale_2") for n in quantized if n.endswith("_scale_2")]
+    assert prefixes
+    for prefix in prefixes:
+        expected = nvfp4_to_state(prefix, quantize_weight(ckpt.read(f"{prefix}.weight")))
+        for name, tensor in expected.items():
+            bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+            got = quantized[name]
+            assert got.dtype == tensor.dtype and torch.equal(bits(got), bits(tensor)), name
 
 
 def _check_linears(model, hf_dir: Path, rank: int) -> float:
@@ -95,6 +110,7 @@ def _tp_worker(rank: int, init_file: str, dense_dir: str, moe_dir: str, referenc
         ckpt = HFCheckpoint(hf_dir)
         assert exported.keys() == ckpt.names()
         assert all(torch.equal(t, ckpt.read(n)) for n, t in exported.items())
+        _check_quantized_export(model, ckpt)
         if name == "dense":
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             (-lp.mean()).backward()
