@@ -2,11 +2,11 @@
 //
 // Same numbers as the Triton decode GEMM (kernels/w4a4_gemm.py, contract v2): Y^T = W @ A^T with
 // the weight decoded in registers straight into wgmma's A fragments (m64nBMk16, BF16, FP32
-// accumulator) and the activation, pre-decoded to BF16 in the GEMM's K order, staged once per
-// CTA in shared memory as wgmma's B operand. K order: per 128-element chunk the 8 nibble streams
-// (step p of a chunk: element 8j + p at k-position j); per 512-element fold chunk one wgmma chain
-// from zero; fold chunks added in order to a zero FP32 accumulator. Split K: each CTA's fold
-// chunks go to a float32 workspace, the tile's last CTA (atomic counter) folds them all in order.
+// accumulator) and the activation decoded from its codes once per CTA into shared memory as
+// wgmma's B operand. K order: per 128-element chunk the 8 nibble streams (step p of a chunk:
+// element 8j + p at k-position j); per 512-element fold chunk one wgmma chain from zero; fold
+// chunks added in order to a zero FP32 accumulator. Split K: the CTAs of a tile form a cluster,
+// each keeps its fold chunks' partials in shared memory, and the first folds them all in order.
 //
 // No headers (NVRTC finds none): integer types spelled out, conversions in PTX.
 
