@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from minite_common import quantize_weight, row_amax, w4a4_linear
@@ -17,9 +14,9 @@ from minite_megatron import build_gpt_model_from_hf, export_hf_weights, init_meg
 from minite_megatron import token_logprobs as learner_logprobs
 from minite_megatron.hf import HFCheckpoint, weight_bindings
 from minite_megatron.linear import NVFP4LinearMixin
+from tests.tp_workers import run_ranks
 
 TP = 2
-DEADLINE_S = 300
 
 
 def _tokens() -> torch.Tensor:
@@ -91,9 +88,8 @@ def _check_linears(model, hf_dir: Path, rank: int) -> float:
     return worst_row
 
 
-def _tp_worker(rank: int, init_file: str, dense_dir: str, moe_dir: str, reference: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
-    init_megatron(TP)
+def _tp_worker(rank: int, world: int, dense_dir: str, moe_dir: str, reference: str) -> None:
+    init_megatron(world)
     expected = torch.load(reference)
     for name, hf_dir in (("dense", Path(dense_dir)), ("moe", Path(moe_dir))):
         model = build_gpt_model_from_hf(hf_dir)
@@ -118,7 +114,6 @@ def _tp_worker(rank: int, init_file: str, dense_dir: str, moe_dir: str, referenc
             after = learner_logprobs(model, _tokens()).detach()
             assert (-after.mean()).item() < (-lp.mean()).item()
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def test_tensor_parallel_2_matches_tp1(tiny_dense_dir, tiny_moe_dir, tmp_path):
@@ -137,21 +132,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_dense_dir, tiny_moe_dir, tmp_path):
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     torch.save(reference, tmp_path / "reference.pt")
-    context = mp.start_processes(
-        _tp_worker,
-        args=(
-            str(tmp_path / "rendezvous"),
-            str(tiny_dense_dir),
-            str(tiny_moe_dir),
-            str(tmp_path / "reference.pt"),
-        ),
-        nprocs=TP,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"TP=2 workers did not finish within {DEADLINE_S} s")
+    run_ranks(
+        _tp_worker, TP, tmp_path, str(tiny_dense_dir), str(tiny_moe_dir),
+        str(tmp_path / "reference.pt"),
+    )  # fmt: skip
