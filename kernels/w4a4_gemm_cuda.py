@@ -1,15 +1,17 @@
-"""The small-M W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper: the weight decoded
-straight into wgmma's register operand, the activation decoded from its codes into shared memory
-once per CTA, split K over a thread-block cluster whose first CTA folds the partials from
+"""The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small and mid M: the weight
+decoded straight into wgmma's register operand, the activation decoded from its codes into shared
+memory (small M: the CTA's whole K slice at once; mid M: one 128-element chunk at a time through a
+two-chunk ring), split K over a thread-block cluster whose first CTA folds the partials from
 distributed shared memory. It computes the same bits as the Triton decode GEMM (contract v2 K
 order; tests pin this). By default it serves the shapes where it measured faster than the Triton
-kernel on the H200 (:func:`preferred`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it
+kernel on the H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it
 supports, ``0`` turns it off; without NVRTC or nvcc the Triton kernel serves everything."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -17,22 +19,29 @@ import triton
 from . import cuda_jit
 from .nvfp4_decode import CHUNK, code_words
 
-#: Rows (M) up to which the CUDA C++ kernel can serve the dense GEMM.
-MAX_M = 16
-#: Where it is the default (H200, benchmarks/NOTES_kernels.md): M <= 8 and at most 16 Mi weight
-#: elements (Qwen3-30B-A3B's qkv and o: 1.26x and 1.34x cuBLAS at M = 1 against the Triton
-#: kernel's 0.95x and 1.27x; on N = K = 8192 the Triton kernel stays ahead).
+#: Rows (M) up to which the CUDA C++ kernels can serve the dense GEMM (small-M kernel up to 16).
+MAX_M = 256
+SMALL_MAX_M = 16
+#: Where the small-M kernel is the default (H200, benchmarks/NOTES_kernels.md): M <= 8 and at
+#: most 16 Mi weight elements (Qwen3-30B-A3B's qkv and o: 1.26x and 1.34x cuBLAS at M = 1 against
+#: the Triton kernel's 0.95x and 1.27x; on N = K = 8192 the Triton kernel stays ahead).
 PREFERRED_MAX_M = 8
 PREFERRED_MAX_WEIGHT = 1 << 24
+#: Where the mid-M kernel is: 64 < M <= 128 (1.1-3.2x faster than the Triton kernel on all seven
+#: measured Qwen3 / square shapes), and up to M = 256 while its CTAs fit one wave (two per SM).
+PREFERRED_MID_M = (64, 128, 256)
 #: Weight rows per CTA (one warpgroup of four warps, 16 rows each).
 ROWS = 64
 FOLD = 512
 _BLOCK_MS = (8, 16)
+_MID_BLOCK_MS = (32, 64)
 _SPLITS = (1, 2, 4, 8)
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-#: CTAs per SM the split aims at; shared memory per CTA for its decoded activation slice.
+#: CTAs per SM the small-M split aims at; shared memory per CTA for its decoded activation slice.
 _CTAS_PER_SM = 4
 _SMEM_BUDGET = 64 << 10
+#: Decoded activation chunks in a mid-M CTA's ring (``RING`` in the CUDA source).
+_RING = 4
 #: Byte offsets between B's core matrices along K (LBO) and along the rows (SBO).
 LBO, SBO = 128, 256
 
@@ -63,15 +72,41 @@ class _Params(ctypes.Structure):
         ("out_kind", ctypes.c_int),
         ("lbo", ctypes.c_uint),
         ("sbo", ctypes.c_uint),
+        ("a_image", ctypes.c_void_p),
+        ("a_chunks", ctypes.c_int),
     ]
 
 
-def _kernel_name(bm: int, splits: int, even_k: bool) -> str:
-    return f"w4a4_small_m{bm}_s{splits}{'_even_k' if even_k else ''}"
+class Plan(NamedTuple):
+    """How one GEMM runs: the kernel family, batch rows per CTA, fold chunks per CTA, and the
+    split count (the cluster size)."""
+
+    family: str  # "small" or "mid"
+    block_m: int
+    per_split: int
+    splits: int
+
+    def kernel_name(self, even_k: bool) -> str:
+        return _kernel_name(self.family, self.block_m, self.splits, even_k)
+
+    def smem(self) -> int:
+        """Dynamic shared memory per CTA (bytes)."""
+        if self.family == "small":
+            return self.per_split * self.block_m * 1024
+        return _RING * self.block_m * 256  # the ring of decoded activation chunks
+
+
+def _kernel_name(family: str, bm: int, splits: int, even_k: bool) -> str:
+    cluster = f"_s{splits}" if family == "small" else ""
+    return f"w4a4_{family}_m{bm}{cluster}{'_even_k' if even_k else ''}"
 
 
 def _kernel_names() -> list[str]:
-    return [_kernel_name(b, s, e) for b in _BLOCK_MS for s in _SPLITS for e in (False, True)]
+    small = [
+        _kernel_name("small", b, s, e) for b in _BLOCK_MS for s in _SPLITS for e in (False, True)
+    ]
+    mid = [_kernel_name("mid", b, 1, e) for b in _MID_BLOCK_MS for e in (False, True)]
+    return small + mid + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS]
 
 
 @functools.cache
@@ -89,9 +124,25 @@ def serves(a, w, y: torch.Tensor) -> bool:
     mode = cuda_jit.mode()
     if mode == "off" or not supports(a, w, y):
         return False
-    if mode == "auto" and (a.rows > PREFERRED_MAX_M or w.rows * w.cols > PREFERRED_MAX_WEIGHT):
+    if not available(a.codes.device):
         return False
-    return available(a.codes.device)
+    return mode == "on" or preferred(a.rows, w.rows, w.cols, _sms(a.codes.device))
+
+
+def preferred(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether an M x N x K GEMM measured faster here than in the Triton kernel (the ``auto``
+    mode's choice)."""
+    if m <= PREFERRED_MAX_M:
+        return n * k <= PREFERRED_MAX_WEIGHT
+    low, always, high = PREFERRED_MID_M
+    if low < m <= always:
+        return True
+    return always < m <= high and triton.cdiv(m, 64) * triton.cdiv(n, ROWS) <= 2 * sms
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def available(device: torch.device) -> bool:
@@ -105,45 +156,54 @@ def available(device: torch.device) -> bool:
 def supports(a, w, y: torch.Tensor) -> bool:
     """Whether these operands fit the kernel (rows, K, alignment, output dtype)."""
     aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
-    return (
-        a.rows <= MAX_M
-        and y.dtype in _OUT_KINDS
-        and aligned
-        and plan(a.rows, w.rows, a.cols, 132) is not None
-    )
+    return y.dtype in _OUT_KINDS and aligned and plan(a.rows, w.rows, a.cols, 132) is not None
 
 
-def block_m(rows: int) -> int:
-    return next(bm for bm in _BLOCK_MS if rows <= bm)
-
-
-def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int] | None:
-    """(BLOCK_M, fold chunks per CTA, splits: the cluster size) for an M x N x K GEMM on ``sms``
-    SMs; None when K is too long for a cluster's shared memory."""
-    bm = block_m(m)
+def plan(m: int, n: int, k: int, sms: int, splits: int | None = None) -> Plan | None:
+    """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` forces the cluster size: probes);
+    None when the kernels cannot serve it (M too large, K too long for a cluster's shared
+    memory)."""
+    if m > MAX_M:
+        return None
+    if m > SMALL_MAX_M:  # mid M: never split (it measured slower at every shape)
+        bm = next((b for b in _MID_BLOCK_MS if m <= b), _MID_BLOCK_MS[-1])
+        return Plan("mid", bm, triton.cdiv(k, FOLD), 1) if splits in (None, 1) else None
+    bm = next(b for b in _BLOCK_MS if m <= b)
     n_folds = triton.cdiv(k, FOLD)
     tiles = triton.cdiv(n, ROWS) * triton.cdiv(m, bm)
-    per_cta = _SMEM_BUDGET // (bm * 1024)  # fold chunks whose activation fits one CTA
     wanted = min(triton.cdiv(_CTAS_PER_SM * sms, tiles), n_folds)
-    splits = max([s for s in _SPLITS if s <= wanted] + [1])
-    while splits <= _SPLITS[-1] and triton.cdiv(n_folds, splits) > per_cta:
-        splits *= 2
-    if splits > _SPLITS[-1]:
-        return None
-    return bm, triton.cdiv(n_folds, splits), splits
+    # the most splits up to ``wanted`` whose activation slices fit, else more (fewer fold chunks
+    # per CTA)
+    options = [s for s in _SPLITS if s <= wanted][::-1] + [s for s in _SPLITS if s > wanted]
+    for s in [splits] if splits is not None else options:
+        candidate = Plan("small", bm, triton.cdiv(n_folds, s), s)
+        if s in _SPLITS and candidate.smem() <= _SMEM_BUDGET:
+            return candidate
+    return None
 
 
-def gemm(a, w, bias, y: torch.Tensor, sms: int, phase_times=None) -> None:
+def gemm(
+    a, w, bias, y: torch.Tensor, sms: int, phase_times=None, splits: int | None = None
+) -> None:
     """``y = a @ w.T`` with the contract's epilogue (``y`` preallocated [M, N]). ``phase_times``
-    (int64 [CTAs, 4], diagnostics): a build that records each CTA's start, staged activation,
-    main-loop end and finish on the GPU's global timer."""
+    (int64 [CTAs, 4], diagnostics, small-M kernel): a build that records each CTA's start, staged
+    activation, main-loop end and finish on the GPU's global timer. ``splits`` forces the cluster
+    size (probes; same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    bm, per_split, splits = plan(m, n, k, sms)
+    how = plan(m, n, k, sms, splits)
+    if how is None:
+        raise ValueError(f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}")
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
+    n_tiles, m_tiles = triton.cdiv(n, ROWS), triton.cdiv(m, how.block_m)
+    a_chunks = triton.cdiv(k, CHUNK)
+    image = None
+    if how.family == "mid":  # the activation decoded once into its shared-memory image
+        size = m_tiles * a_chunks * how.block_m * 256
+        image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
         ww.data_ptr(), w.scales.data_ptr(), wdec.data_ptr(), aw.data_ptr(), a.scales.data_ptr(),
         adec.data_ptr(), bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
@@ -151,13 +211,20 @@ def gemm(a, w, bias, y: torch.Tensor, sms: int, phase_times=None) -> None:
         ww.stride(0), w.scales.stride(0), aw.stride(0), a.scales.stride(0), y.stride(0),
         y.stride(1), wdec.stride(0) if w.decode_scale.dim() else 0,
         adec.stride(0) if a.decode_scale.dim() else 0,
-        m, n, k, per_split, _OUT_KINDS[y.dtype], LBO, SBO,
+        m, n, k, how.per_split, _OUT_KINDS[y.dtype], LBO, SBO,
+        image.data_ptr() if image is not None else None, a_chunks,
     )  # fmt: skip
     index = device.index if device.index is not None else torch.cuda.current_device()
     defines = ("MINITE_PHASE_TIMING",) if phase_times is not None else ()
     kernels = cuda_jit.load(
         "w4a4_gemm_sm90a.cu", _kernel_names(), torch.device("cuda", index), defines
     )
-    grid = (triton.cdiv(n, ROWS), splits, triton.cdiv(m, bm))
-    kernel = kernels[_kernel_name(bm, splits, k % CHUNK == 0)]
-    kernel.launch(grid, 128, per_split * bm * 1024, p, device)
+    if how.family == "small":
+        grid = (n_tiles, how.splits, m_tiles)
+    else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
+        threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
+        decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
+        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device)
+        grid = (m_tiles, n_tiles, 1)
+    kernel = kernels[how.kernel_name(k % CHUNK == 0)]
+    kernel.launch(grid, 128, how.smem(), p, device)

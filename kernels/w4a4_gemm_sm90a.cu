@@ -88,6 +88,30 @@ __device__ __forceinline__ void wgmma(Acc<16>& c, const u32 (&a)[4], u64 desc, i
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
+__device__ __forceinline__ void wgmma(Acc<32>& c, const u32 (&a)[4], u64 desc, int accumulate) {
+  asm volatile(WGMMA_HEAD(21) "32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                              "%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]),
+                 "+f"(c.d[5]), "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]),
+                 "+f"(c.d[10]), "+f"(c.d[11]), "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]),
+                 "+f"(c.d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma(Acc<64>& c, const u32 (&a)[4], u64 desc, int accumulate) {
+  asm volatile(WGMMA_HEAD(37) "64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                              "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+                              "%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]),
+                 "+f"(c.d[5]), "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]),
+                 "+f"(c.d[10]), "+f"(c.d[11]), "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]),
+                 "+f"(c.d[15]), "+f"(c.d[16]), "+f"(c.d[17]), "+f"(c.d[18]), "+f"(c.d[19]),
+                 "+f"(c.d[20]), "+f"(c.d[21]), "+f"(c.d[22]), "+f"(c.d[23]), "+f"(c.d[24]),
+                 "+f"(c.d[25]), "+f"(c.d[26]), "+f"(c.d[27]), "+f"(c.d[28]), "+f"(c.d[29]),
+                 "+f"(c.d[30]), "+f"(c.d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
 // The raw weight data of one thread for one 128-element chunk: rows r0 and r0+8, words
 // {2t, 2t+1} and {2t+8, 2t+9}, and the scale bytes of blocks t and t+4 of both rows.
 struct Raw {
@@ -121,6 +145,8 @@ struct Params {
   int w_dec_stride, a_dec_stride;
   int M, N, K, chunks_per_split, out_kind;  // out_kind: 0 bf16, 1 f16, 2 f32
   u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
+  const unsigned char* a_image;  // mid M: the decoded activation, [M tiles][chunks][BM * 256 B]
+  int a_chunks;                  // chunks per row of a_image (K padded to 128)
 };
 
 // Row pointers of one thread: rows r0 and r0+8 (clamped), words from 2t, scale bytes from t.
@@ -391,3 +417,150 @@ SMALL_M_KERNEL(16, 1)
 SMALL_M_KERNEL(16, 2)
 SMALL_M_KERNEL(16, 4)
 SMALL_M_KERNEL(16, 8)
+
+// ---- Mid M (up to 64 batch rows per CTA): the activation decoded once, streamed by cp.async ----
+//
+// Same K order and fold as above. `w4a4_decode_act` decodes the activation once into its
+// shared-memory image (per M tile and 128-element chunk, the BM x 128 B operand exactly as wgmma
+// reads it, rows past M zero), so the GEMM CTAs copy it with cp.async into a RING-chunk ring
+// instead of each decoding it again; the weight is decoded in registers as above. One barrier
+// per chunk: after it, every warp has finished the wgmma of chunk ch - 2, whose slot is refilled.
+// No split K (it measured slower at every mid-M shape). Grid: (M tiles, N tiles), so the CTAs
+// sharing a weight slice run together and read it from L2 once.
+
+#define RING 4  // activation chunks in flight per CTA (prefetch distance RING - 2)
+
+template <int BM>
+__device__ __forceinline__ void decode_act_image(const Params& p) {
+  // one thread per (row, chunk, code-word pair); rows past M decode zeros
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int m_tiles = (p.M + BM - 1) / BM;
+  if (i >= (long long)m_tiles * BM * p.a_chunks * 8) return;
+  const int tp = (int)(i & 7);
+  const long long rc = i >> 3;
+  const int row = (int)(rc % (m_tiles * BM)), ch = (int)(rc / (m_tiles * BM));
+  u32 w0 = 0, w1 = 0, sb = 0;
+  if (row < p.M && ch * 128 + 16 * tp + 16 <= p.K) {
+    const uint2 w = __ldg((const uint2*)(p.a_words + (long long)row * p.stride_aw + ch * 16 + 2 * tp));
+    w0 = w.x;
+    w1 = w.y;
+    sb = __ldg(p.a_scales + (long long)row * p.stride_as + ch * 8 + tp);
+  }
+  u32 o[8];
+  decode_pair(w0, w1, sb, o);
+  const int r = row % BM;
+  unsigned char* dst = (unsigned char*)p.a_image +
+                       ((long long)(row / BM) * p.a_chunks + ch) * (BM * 256) +
+                       (r / 8) * p.sbo + (tp / 4) * p.lbo + (r % 8) * 16 + (tp % 4) * 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+}
+
+extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m32(const Params p) {
+  decode_act_image<32>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m64(const Params p) {
+  decode_act_image<64>(p);
+}
+
+// Copy chunk ch of this CTA's M tile into ring slot `slot` (BM * 256 bytes, 16 per cp.async).
+template <int BM>
+__device__ __forceinline__ void copy_act(const Params& p, u32 smem_base, int ch, int slot) {
+  const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + ch) * (BM * 256);
+  const u32 dst = smem_base + slot * (BM * 256);
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    const int off = (j * 128 + threadIdx.x) * 16;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(src + off)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int BM, int P, bool EVEN_K>
+__device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw (&raw)[2],
+                                         u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
+                                         u32 smem_base, int ch, int ch_end, int t) {
+  const int c = ch;
+  asm volatile("cp.async.wait_group %0;" ::"n"(RING - 3) : "memory");  // chunk ch has landed
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();  // ... for every thread; and every warp is past the wgmma of chunk ch - 2
+  if (ch + RING - 2 < ch_end) copy_act<BM>(p, smem_base, ch + RING - 2, (c + RING - 2) % RING);
+  cp_async_commit();
+  decode_raw(raw[P], a[P]);
+  if (ch + 2 < ch_end) load_raw<EVEN_K>(rows, ch + 2, t, p.K, raw[P]);
+  const u64 desc = smem_desc(smem_base + (c % RING) * (BM * 256), p.lbo, p.sbo);
+  const int first_in_fold = (ch % FOLD_CHUNKS) == 0;
+  wgmma_fence();
+  fence_acc(part);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
+  }
+  wgmma_commit();
+  const bool fold_here = ((ch + 1) % FOLD_CHUNKS == 0) || (ch + 1 == ch_end);
+  if (fold_here) {
+    wgmma_wait<0>();
+    fence_acc(part);
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+  } else {
+    wgmma_wait<1>();
+  }
+}
+
+template <int BM, bool EVEN_K>
+__device__ __forceinline__ void gemm_mid_m(const Params& p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int ch_end = p.a_chunks;
+  const int m0 = blockIdx.x * BM;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.y * ROWS + 16 * warp;
+  const long long row0 = min(n_base + g, p.N - 1);
+  const long long row1 = min(n_base + g + 8, p.N - 1);
+  Rows rows;
+  rows.w0 = (const uint2*)(p.w_words + row0 * p.stride_ww + 2 * t);
+  rows.w1 = (const uint2*)(p.w_words + row1 * p.stride_ww + 2 * t);
+  rows.s0 = p.w_scales + row0 * p.stride_ws + t;
+  rows.s1 = p.w_scales + row1 * p.stride_ws + t;
+
+  const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
+#pragma unroll
+  for (int s = 0; s < RING - 2; ++s) {
+    if (s < ch_end) copy_act<BM>(p, smem_base, s, s);
+    cp_async_commit();
+  }
+  Raw raw[2];
+  load_raw<EVEN_K>(rows, 0, t, p.K, raw[0]);
+  if (1 < ch_end) load_raw<EVEN_K>(rows, 1, t, p.K, raw[1]);
+
+  u32 a[2][8][4];
+  Acc<BM> part, acc;
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) {
+    part.d[i] = 0.f;
+    acc.d[i] = 0.f;
+  }
+  int ch = 0;
+  for (; ch + 1 < ch_end; ch += 2) {
+    mid_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch, ch_end, t);
+    mid_step<BM, 1, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch + 1, ch_end, t);
+  }
+  if (ch < ch_end) mid_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch, ch_end, t);
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  store_out<BM>(p, acc, n_base, m0, g, t);
+}
+
+#define MID_M_KERNEL(BM)                                                                        \
+  extern "C" __global__ void __launch_bounds__(128, 2) w4a4_mid_m##BM(const Params p) {        \
+    gemm_mid_m<BM, false>(p);                                                                  \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 2) w4a4_mid_m##BM##_even_k(const Params p) { \
+    gemm_mid_m<BM, true>(p);                                                                   \
+  }
+MID_M_KERNEL(32)
+MID_M_KERNEL(64)

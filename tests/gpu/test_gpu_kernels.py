@@ -301,10 +301,11 @@ def test_w4a4_linear_matches_cpu_path() -> None:
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
-def test_cuda_small_m_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
-    """The opt-in CUDA C++ small-M GEMM (wgmma with the weight decoded into registers) gives the
-    Triton decode GEMM's bits: every M it serves, K not a multiple of 128, N not of 64, split
-    and unsplit, bias, per-row and per-tensor activation scales, heavy tails, CUDA graphs."""
+def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
+    """The CUDA C++ GEMMs (wgmma with the weight decoded into registers; small M with the whole
+    activation slice staged, mid M through a ring) give the Triton decode GEMM's bits: every M
+    they serve, every split count, K not a multiple of 128, N not of 64, bias, per-row and
+    per-tensor activation scales, heavy tails, CUDA graphs."""
     from minite_kernels import w4a4_gemm_cuda
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
 
@@ -313,11 +314,23 @@ def test_cuda_small_m_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, 
     for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (768, 4096)):
         w = quantize_nvfp4(_make("normal", n, k, n).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
-        for m in (1, 2, 5, 8, 9, 16):
+        for m in (1, 2, 5, 8, 9, 16, 17, 33, 64, 100, 256):
             for kind, amax in (("normal", "row"), ("heavy", "row"), ("blocks", "tensor")):
                 a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
-                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
                 want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
+                for splits in (None, 1, 2, 4, 8) if kind == "heavy" else (None,):
+                    if w4a4_gemm_cuda.plan(m, n, k, 132, splits) is None:
+                        continue
+                    got = torch.full_like(want, float("nan"))
+                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, splits=splits)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                        n,
+                        k,
+                        m,
+                        kind,
+                        splits,
+                    )
+                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
     # captured and replayed in a CUDA graph, on new inputs
     w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
