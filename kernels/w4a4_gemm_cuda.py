@@ -27,9 +27,10 @@ SMALL_MAX_M = 16
 #: the Triton kernel's 0.95x and 1.27x; on N = K = 8192 the Triton kernel stays ahead).
 PREFERRED_MAX_M = 8
 PREFERRED_MAX_WEIGHT = 1 << 24
-#: Where the mid-M kernel is: 64 < M <= 128 (1.1-3.2x faster than the Triton kernel on all seven
-#: measured Qwen3 / square shapes), and up to M = 256 while its CTAs fit one wave (two per SM).
-PREFERRED_MID_M = (64, 128, 256)
+#: Where the mid-M kernel is (it never splits K, so it needs a grid that covers the GPU):
+#: 16 < M <= 32 with at least two CTAs per SM, 32 < M <= 64 with at least 0.7, every
+#: 64 < M <= 128 (1.2-3.2x faster than the Triton kernel on all seven measured Qwen3 / square
+#: shapes), 128 < M <= 256 while its CTAs fit one wave (two per SM).
 #: Weight rows per CTA (one warpgroup of four warps, 16 rows each).
 ROWS = 64
 FOLD = 512
@@ -78,35 +79,36 @@ class _Params(ctypes.Structure):
 
 
 class Plan(NamedTuple):
-    """How one GEMM runs: the kernel family, batch rows per CTA, fold chunks per CTA, and the
-    split count (the cluster size)."""
+    """How one GEMM runs: the kernel family, batch rows per CTA, fold chunks per CTA, the split
+    count (the cluster size, small M) and the warpgroups per CTA (mid M)."""
 
     family: str  # "small" or "mid"
     block_m: int
     per_split: int
     splits: int
+    warpgroups: int = 1
 
     def kernel_name(self, even_k: bool) -> str:
-        return _kernel_name(self.family, self.block_m, self.splits, even_k)
+        if self.family == "small":
+            shape = f"small_m{self.block_m}_s{self.splits}"
+        else:
+            shape = f"mid_m{self.block_m}_w{self.warpgroups}"
+        return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def smem(self) -> int:
         """Dynamic shared memory per CTA (bytes)."""
         if self.family == "small":
             return self.per_split * self.block_m * 1024
-        return _RING * self.block_m * 256  # the ring of decoded activation chunks
-
-
-def _kernel_name(family: str, bm: int, splits: int, even_k: bool) -> str:
-    cluster = f"_s{splits}" if family == "small" else ""
-    return f"w4a4_{family}_m{bm}{cluster}{'_even_k' if even_k else ''}"
+        # each warpgroup's ring of decoded activation chunks; with two, two exchange buffers
+        chunks = self.warpgroups * _RING + (2 if self.warpgroups == 2 else 0)
+        return chunks * self.block_m * 256
 
 
 def _kernel_names() -> list[str]:
-    small = [
-        _kernel_name("small", b, s, e) for b in _BLOCK_MS for s in _SPLITS for e in (False, True)
-    ]
-    mid = [_kernel_name("mid", b, 1, e) for b in _MID_BLOCK_MS for e in (False, True)]
-    return small + mid + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS]
+    small = [Plan("small", b, 1, s) for b in _BLOCK_MS for s in _SPLITS]
+    mid = [Plan("mid", b, 1, 1, w) for b in _MID_BLOCK_MS for w in (1, 2)]
+    gemms = [p.kernel_name(e) for p in small + mid for e in (False, True)]
+    return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS]
 
 
 @functools.cache
@@ -131,13 +133,17 @@ def serves(a, w, y: torch.Tensor) -> bool:
 
 def preferred(m: int, n: int, k: int, sms: int) -> bool:
     """Whether an M x N x K GEMM measured faster here than in the Triton kernel (the ``auto``
-    mode's choice)."""
+    mode's choice; H200 figures in benchmarks/NOTES_kernels.md)."""
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
-    low, always, high = PREFERRED_MID_M
-    if low < m <= always:
-        return True
-    return always < m <= high and triton.cdiv(m, 64) * triton.cdiv(n, ROWS) <= 2 * sms
+    if m <= SMALL_MAX_M or m > MAX_M:
+        return False
+    ctas = triton.cdiv(m, 32 if m <= 32 else 64) * triton.cdiv(n, ROWS)
+    if m <= 32:
+        return ctas >= 2 * sms
+    if m <= 64:
+        return 10 * ctas >= 7 * sms
+    return m <= 128 or ctas <= 2 * sms
 
 
 def _sms(device: torch.device) -> int:
@@ -159,15 +165,20 @@ def supports(a, w, y: torch.Tensor) -> bool:
     return y.dtype in _OUT_KINDS and aligned and plan(a.rows, w.rows, a.cols, 132) is not None
 
 
-def plan(m: int, n: int, k: int, sms: int, splits: int | None = None) -> Plan | None:
-    """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` forces the cluster size: probes);
-    None when the kernels cannot serve it (M too large, K too long for a cluster's shared
-    memory)."""
+def plan(
+    m: int, n: int, k: int, sms: int, splits: int | None = None, warpgroups: int | None = None
+) -> Plan | None:
+    """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` / ``warpgroups`` force the cluster
+    size / the warpgroups per CTA: probes, tests); None when the kernels cannot serve it (M too
+    large, K too long for a cluster's shared memory)."""
     if m > MAX_M:
         return None
     if m > SMALL_MAX_M:  # mid M: never split (it measured slower at every shape)
         bm = next((b for b in _MID_BLOCK_MS if m <= b), _MID_BLOCK_MS[-1])
-        return Plan("mid", bm, triton.cdiv(k, FOLD), 1) if splits in (None, 1) else None
+        if warpgroups is None:  # two per CTA while the grid is one CTA per SM at most
+            warpgroups = 2 if triton.cdiv(m, bm) * triton.cdiv(n, ROWS) <= sms else 1
+        ok = splits in (None, 1) and warpgroups in (1, 2)
+        return Plan("mid", bm, triton.cdiv(k, FOLD), 1, warpgroups) if ok else None
     bm = next(b for b in _BLOCK_MS if m <= b)
     n_folds = triton.cdiv(k, FOLD)
     tiles = triton.cdiv(n, ROWS) * triton.cdiv(m, bm)
@@ -183,17 +194,27 @@ def plan(m: int, n: int, k: int, sms: int, splits: int | None = None) -> Plan | 
 
 
 def gemm(
-    a, w, bias, y: torch.Tensor, sms: int, phase_times=None, splits: int | None = None
+    a,
+    w,
+    bias,
+    y: torch.Tensor,
+    sms: int,
+    phase_times=None,
+    splits: int | None = None,
+    warpgroups: int | None = None,
 ) -> None:
     """``y = a @ w.T`` with the contract's epilogue (``y`` preallocated [M, N]). ``phase_times``
     (int64 [CTAs, 4], diagnostics, small-M kernel): a build that records each CTA's start, staged
-    activation, main-loop end and finish on the GPU's global timer. ``splits`` forces the cluster
-    size (probes; same bits)."""
+    activation, main-loop end and finish on the GPU's global timer. ``splits`` / ``warpgroups``
+    force the cluster size / the warpgroups per CTA (probes, tests; same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    how = plan(m, n, k, sms, splits)
+    how = plan(m, n, k, sms, splits, warpgroups)
     if how is None:
-        raise ValueError(f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}")
+        raise ValueError(
+            f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
+            f"warpgroups={warpgroups}"
+        )
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
@@ -227,4 +248,4 @@ def gemm(
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device)
         grid = (m_tiles, n_tiles, 1)
     kernel = kernels[how.kernel_name(k % CHUNK == 0)]
-    kernel.launch(grid, 128, how.smem(), p, device)
+    kernel.launch(grid, 128 * how.warpgroups, how.smem(), p, device)

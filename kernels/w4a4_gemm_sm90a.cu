@@ -423,10 +423,14 @@ SMALL_M_KERNEL(16, 8)
 // Same K order and fold as above. `w4a4_decode_act` decodes the activation once into its
 // shared-memory image (per M tile and 128-element chunk, the BM x 128 B operand exactly as wgmma
 // reads it, rows past M zero), so the GEMM CTAs copy it with cp.async into a RING-chunk ring
-// instead of each decoding it again; the weight is decoded in registers as above. One barrier
-// per chunk: after it, every warp has finished the wgmma of chunk ch - 2, whose slot is refilled.
-// No split K (it measured slower at every mid-M shape). Grid: (M tiles, N tiles), so the CTAs
-// sharing a weight slice run together and read it from L2 once.
+// instead of each decoding it again; the weight is decoded in registers as above. WGS = 2 (for
+// grids of at most one CTA per SM): two warpgroups per CTA share its 64 weight rows and take
+// turns by fold chunk (even / odd), each with its own ring (one barrier per chunk: after it, the
+// warpgroup is past the wgmma of its chunk j - 2, whose slot is refilled), so two warps per
+// scheduler hide each other's latency; the second hands each fold chunk's partial to the first
+// through shared memory, which folds them in order. WGS = 1 (larger grids): two CTAs per SM.
+// No split K (clusters measured slower at every mid-M shape). Grid: (M tiles, N tiles), so the
+// CTAs sharing a weight slice run together and read it from L2 once.
 
 #define RING 4  // activation chunks in flight per CTA (prefetch distance RING - 2)
 
@@ -463,14 +467,15 @@ extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m64(const Para
   decode_act_image<64>(p);
 }
 
-// Copy chunk ch of this CTA's M tile into ring slot `slot` (BM * 256 bytes, 16 per cp.async).
+// Copy chunk ch of this CTA's M tile into ring slot `slot` at `ring` (BM * 256 bytes, 16 per
+// cp.async, by the 128 threads `tid` of one warpgroup).
 template <int BM>
-__device__ __forceinline__ void copy_act(const Params& p, u32 smem_base, int ch, int slot) {
+__device__ __forceinline__ void copy_act(const Params& p, u32 ring, int ch, int slot, int tid) {
   const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + ch) * (BM * 256);
-  const u32 dst = smem_base + slot * (BM * 256);
+  const u32 dst = ring + slot * (BM * 256);
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j) {
-    const int off = (j * 128 + threadIdx.x) * 16;
+    const int off = (j * 128 + tid) * 16;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(src + off)
                  : "memory");
   }
@@ -480,20 +485,36 @@ __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-template <int BM, int P, bool EVEN_K>
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
+// The j-th chunk of warpgroup wg of WGS: fold chunks go round the warpgroups.
+template <int WGS>
+__device__ __forceinline__ int wg_chunk(int j, int wg) {
+  return (WGS * (j >> 2) + wg) * FOLD_CHUNKS + (j & 3);
+}
+
+template <int BM, int WGS, int P, bool EVEN_K>
 __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw (&raw)[2],
                                          u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
-                                         u32 smem_base, int ch, int ch_end, int t) {
-  const int c = ch;
+                                         u32 ring, float* xbuf, int j, int wg, int tid, int t) {
+  const int ch = wg_chunk<WGS>(j, wg), ch_end = p.a_chunks;
   asm volatile("cp.async.wait_group %0;" ::"n"(RING - 3) : "memory");  // chunk ch has landed
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();  // ... for every thread; and every warp is past the wgmma of chunk ch - 2
-  if (ch + RING - 2 < ch_end) copy_act<BM>(p, smem_base, ch + RING - 2, (c + RING - 2) % RING);
+  if (wg == 0)  // ... for the warpgroup; all its warps are past chunk j - 2
+    named_barrier<1, 128>();
+  else
+    named_barrier<2, 128>();
+  const int ahead = wg_chunk<WGS>(j + RING - 2, wg);
+  if (ahead < ch_end) copy_act<BM>(p, ring, ahead, (j + RING - 2) % RING, tid);
   cp_async_commit();
   decode_raw(raw[P], a[P]);
-  if (ch + 2 < ch_end) load_raw<EVEN_K>(rows, ch + 2, t, p.K, raw[P]);
-  const u64 desc = smem_desc(smem_base + (c % RING) * (BM * 256), p.lbo, p.sbo);
-  const int first_in_fold = (ch % FOLD_CHUNKS) == 0;
+  const int next = wg_chunk<WGS>(j + 2, wg);
+  if (next < ch_end) load_raw<EVEN_K>(rows, next, t, p.K, raw[P]);
+  const u64 desc = smem_desc(ring + (j % RING) * (BM * 256), p.lbo, p.sbo);
+  const int first_in_fold = (j & 3) == 0;
   wgmma_fence();
   fence_acc(part);
 #pragma unroll
@@ -501,23 +522,43 @@ __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw 
     wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
   }
   wgmma_commit();
-  const bool fold_here = ((ch + 1) % FOLD_CHUNKS == 0) || (ch + 1 == ch_end);
-  if (fold_here) {
-    wgmma_wait<0>();
-    fence_acc(part);
+  if (((ch + 1) % FOLD_CHUNKS != 0) && (ch + 1 != ch_end)) {
+    wgmma_wait<1>();
+    return;
+  }
+  // End of this warpgroup's fold chunk f: the first warpgroup adds f, then (after the
+  // barrier) the second warpgroup's f + 1 from the exchange buffer; the second writes it there.
+  wgmma_wait<0>();
+  fence_acc(part);
+  if (WGS == 1) {
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+    return;
+  }
+  const int f = ch / FOLD_CHUNKS, n_folds = (ch_end + FOLD_CHUNKS - 1) / FOLD_CHUNKS;
+  float* x = xbuf + ((f >> 1) & 1) * (BM / 2) * 128 + tid;
+  if (wg == 0) {
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+    if (f + 1 < n_folds) {
+      named_barrier<3, 256>();
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], x[i * 128]);
+    }
   } else {
-    wgmma_wait<1>();
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) x[i * 128] = part.d[i];
+    named_barrier<3, 256>();
   }
 }
 
-template <int BM, bool EVEN_K>
+template <int BM, int WGS, bool EVEN_K>
 __device__ __forceinline__ void gemm_mid_m(const Params& p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int ch_end = p.a_chunks;
   const int m0 = blockIdx.x * BM;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.y * ROWS + 16 * warp;
   const long long row0 = min(n_base + g, p.N - 1);
@@ -528,15 +569,16 @@ __device__ __forceinline__ void gemm_mid_m(const Params& p) {
   rows.s0 = p.w_scales + row0 * p.stride_ws + t;
   rows.s1 = p.w_scales + row1 * p.stride_ws + t;
 
-  const u32 smem_base = (u32)__cvta_generic_to_shared(smem);
+  const u32 ring = (u32)__cvta_generic_to_shared(smem) + wg * (RING * BM * 256);
+  float* xbuf = (float*)(smem + WGS * (RING * BM * 256));
 #pragma unroll
   for (int s = 0; s < RING - 2; ++s) {
-    if (s < ch_end) copy_act<BM>(p, smem_base, s, s);
+    if (wg_chunk<WGS>(s, wg) < ch_end) copy_act<BM>(p, ring, wg_chunk<WGS>(s, wg), s, tid);
     cp_async_commit();
   }
   Raw raw[2];
-  load_raw<EVEN_K>(rows, 0, t, p.K, raw[0]);
-  if (1 < ch_end) load_raw<EVEN_K>(rows, 1, t, p.K, raw[1]);
+  if (wg_chunk<WGS>(0, wg) < ch_end) load_raw<EVEN_K>(rows, wg_chunk<WGS>(0, wg), t, p.K, raw[0]);
+  if (wg_chunk<WGS>(1, wg) < ch_end) load_raw<EVEN_K>(rows, wg_chunk<WGS>(1, wg), t, p.K, raw[1]);
 
   u32 a[2][8][4];
   Acc<BM> part, acc;
@@ -545,22 +587,27 @@ __device__ __forceinline__ void gemm_mid_m(const Params& p) {
     part.d[i] = 0.f;
     acc.d[i] = 0.f;
   }
-  int ch = 0;
-  for (; ch + 1 < ch_end; ch += 2) {
-    mid_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch, ch_end, t);
-    mid_step<BM, 1, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch + 1, ch_end, t);
+  int j = 0;
+  for (; wg_chunk<WGS>(j + 1, wg) < ch_end; j += 2) {
+    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, wg, tid, t);
+    mid_step<BM, WGS, 1, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j + 1, wg, tid, t);
   }
-  if (ch < ch_end) mid_step<BM, 0, EVEN_K>(p, rows, raw, a, part, acc, smem_base, ch, ch_end, t);
+  if (wg_chunk<WGS>(j, wg) < ch_end)
+    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, wg, tid, t);
   asm volatile("cp.async.wait_group 0;" ::: "memory");
-  store_out<BM>(p, acc, n_base, m0, g, t);
+  if (wg == 0) store_out<BM>(p, acc, n_base, m0, g, t);
 }
 
-#define MID_M_KERNEL(BM)                                                                        \
-  extern "C" __global__ void __launch_bounds__(128, 2) w4a4_mid_m##BM(const Params p) {        \
-    gemm_mid_m<BM, false>(p);                                                                  \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, 2) w4a4_mid_m##BM##_even_k(const Params p) { \
-    gemm_mid_m<BM, true>(p);                                                                   \
+#define MID_M_KERNEL(BM, WGS)                                                                 \
+  extern "C" __global__ void __launch_bounds__(128 * WGS, 2 / WGS)                              \
+      w4a4_mid_m##BM##_w##WGS(const Params p) {                                                 \
+    gemm_mid_m<BM, WGS, false>(p);                                                              \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128 * WGS, 2 / WGS)                              \
+      w4a4_mid_m##BM##_w##WGS##_even_k(const Params p) {                                        \
+    gemm_mid_m<BM, WGS, true>(p);                                                               \
   }
-MID_M_KERNEL(32)
-MID_M_KERNEL(64)
+MID_M_KERNEL(32, 1)
+MID_M_KERNEL(32, 2)
+MID_M_KERNEL(64, 1)
+MID_M_KERNEL(64, 2)

@@ -63,14 +63,19 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     assert w4a4_gemm_cuda.supports(a, w, y) and not w4a4_gemm_cuda.serves(a, w, y)
     assert w4a4_gemm_cuda.plan(16, 8192, 32768, 132) is None  # K too long for one cluster
-    assert w4a4_gemm_cuda.plan(64, 8192, 8192, 132) == ("mid", 64, 16, 1)  # mid M: no split
+    # mid M: no split; two warpgroups per CTA while the grid fits one CTA per SM
+    assert w4a4_gemm_cuda.plan(64, 8192, 8192, 132) == ("mid", 64, 16, 1, 2)
+    assert w4a4_gemm_cuda.plan(128, 8192, 8192, 132).warpgroups == 1
     assert w4a4_gemm_cuda.plan(17, 64, 16, 132).block_m == 32
     assert w4a4_gemm_cuda.plan(257, 64, 16, 132) is None
     # the auto mode's choices (where each kernel measured faster than the Triton one)
     assert w4a4_gemm_cuda.preferred(1, 5120, 2048, 132)
     assert not w4a4_gemm_cuda.preferred(1, 8192, 8192, 132)
-    assert not w4a4_gemm_cuda.preferred(64, 8192, 8192, 132)
-    assert w4a4_gemm_cuda.preferred(65, 8192, 8192, 132)
+    assert w4a4_gemm_cuda.preferred(64, 8192, 8192, 132)  # 128 CTAs
+    assert not w4a4_gemm_cuda.preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
+    assert not w4a4_gemm_cuda.preferred(32, 8192, 8192, 132)
+    assert w4a4_gemm_cuda.preferred(32, 24576, 4096, 132)  # 384 CTAs
+    assert w4a4_gemm_cuda.preferred(65, 2048, 4096, 132)
     assert w4a4_gemm_cuda.preferred(256, 2048, 4096, 132)  # 128 CTAs: one wave
     assert not w4a4_gemm_cuda.preferred(256, 8192, 8192, 132)  # 512 CTAs
 

@@ -318,32 +318,30 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
             for kind, amax in (("normal", "row"), ("heavy", "row"), ("blocks", "tensor")):
                 a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
                 want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
-                for splits in (None, 1, 2, 4, 8) if kind == "heavy" else (None,):
-                    if w4a4_gemm_cuda.plan(m, n, k, 132, splits) is None:
+                forced = ((1, None), (2, None), (4, None), (8, None), (None, 1), (None, 2))
+                for splits, wgs in forced if kind == "heavy" else ((None, None),):
+                    if w4a4_gemm_cuda.plan(m, n, k, 132, splits, wgs) is None:
                         continue
                     got = torch.full_like(want, float("nan"))
-                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, splits=splits)
-                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
-                        n,
-                        k,
-                        m,
-                        kind,
-                        splits,
-                    )
+                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, splits=splits, warpgroups=wgs)
+                    where = (n, k, m, kind, splits, wgs)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
     # captured and replayed in a CUDA graph, on new inputs
     w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
-    x = torch.zeros(4, 2048, device="cuda", dtype=torch.bfloat16)
-    nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-    for seed in (1, 2):
-        x.copy_(_make("normal", 4, 2048, seed).cuda())
-        graph.replay()
-        want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=decode_config(4))
-        assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), seed
+    for rows in (4, 100):  # the small-M and the mid-M kernel (its activation decode too)
+        x = torch.zeros(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        for seed in (1, 2):
+            x.copy_(_make("normal", rows, 2048, seed).cuda())
+            graph.replay()
+            config = decode_config(rows)
+            want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=config)
+            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
 
 
 def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
