@@ -29,6 +29,26 @@ import torch
 CUDA_KERNELS_ENV = "MINITE_CUDA_KERNELS"
 _OPTIONS = ("--fmad=false", "-std=c++17")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id and a 64-byte value union (8-byte aligned)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 class CudaJitError(RuntimeError):
@@ -139,6 +159,7 @@ class _Driver:
             ctypes.c_void_p, *([ctypes.c_uint] * 6), ctypes.c_uint, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
+        self.lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -167,7 +188,12 @@ class Kernel:
         self.function = function
         self.max_smem = 48 << 10
 
-    def launch(self, grid: tuple[int, int, int], block: int, smem: int, args, device) -> None:
+    def launch(
+        self, grid: tuple[int, int, int], block: int, smem: int, args, device, pdl: bool = False
+    ) -> None:
+        """Launch on torch's current stream. ``pdl``: programmatic dependent launch, so the grid
+        may start while the previous kernel on the stream still runs (the kernel must execute
+        ``griddepcontrol.wait`` before it reads anything that kernel writes)."""
         drv = _driver()
         if smem > self.max_smem:
             drv.check(
@@ -179,15 +205,22 @@ class Kernel:
             self.max_smem = smem
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                return self.launch(grid, block, smem, args, device)
+                return self.launch(grid, block, smem, args, device, pdl)
         stream = torch.cuda.current_stream(device).cuda_stream
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
-        drv.check(
-            drv.lib.cuLaunchKernel(
+        if not pdl:
+            status = drv.lib.cuLaunchKernel(
                 self.function, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, params, None
-            ),
-            "kernel launch",
-        )
+            )
+            return drv.check(status, "kernel launch")
+        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig(
+            (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
+            ctypes.pointer(attr), 1,
+        )  # fmt: skip
+        status = drv.lib.cuLaunchKernelEx(ctypes.byref(config), self.function, params, None)
+        drv.check(status, "kernel launch (programmatic dependent)")
 
 
 _MODULES: dict[tuple[str, int, tuple[str, ...]], dict[str, Kernel]] = {}

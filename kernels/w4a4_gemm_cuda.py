@@ -245,7 +245,9 @@ def gemm(
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
-        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device)
+        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
         grid = (m_tiles, n_tiles, 1)
     kernel = kernels[how.kernel_name(k % CHUNK == 0)]
-    kernel.launch(grid, 128 * how.warpgroups, how.smem(), p, device)
+    # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
+    # L2 while the previous kernel (the activation's quantize or decode) finishes
+    kernel.launch(grid, 128 * how.warpgroups, how.smem(), p, device, pdl=True)

@@ -182,6 +182,23 @@ __device__ __forceinline__ void load_raw(const Rows& rows, int ch, int t, int K,
   r.s[3] = hi_ok ? __ldg(s1 + 4) : 0u;
 }
 
+// Before griddepcontrol.wait (programmatic dependent launch: the previous kernel may still run),
+// pull the weight of chunks [ch, ch_end) into L2: L2 is where global memory is coherent, so this
+// cannot make a later load stale, whatever the previous kernel writes.
+__device__ __forceinline__ void prefetch_weight(const Rows& rows, int ch, int ch_end) {
+  for (; ch < ch_end; ++ch) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w0 + ch * 8));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w1 + ch * 8));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.s0 + ch * 8));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.s1 + ch * 8));
+  }
+}
+
+// Wait for the previous kernel on the stream (its writes visible); a no-op without PDL.
+__device__ __forceinline__ void wait_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // A fragments of the 8 steps of a chunk: a[p] = {(r0, 2t..), (r1, 2t..), (r0, 2t+8..), (r1, 2t+8..)}.
 __device__ __forceinline__ void decode_raw(const Raw& r, u32 (&a)[8][4]) {
   u32 o[8];
@@ -292,6 +309,9 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
   rows.s0 = p.w_scales + row0 * p.stride_ws + t;
   rows.s1 = p.w_scales + row1 * p.stride_ws + t;
 
+
+  prefetch_weight(rows, ch_first, min(ch_first + 4, ch_end));
+  wait_previous_kernel();
 
   // Stage the activation slice: step block (chunk c, stream q) = BM rows x 16 k-positions,
   // core matrices of 8 rows x 8 k (128 bytes) at rowgroup * sbo + khalf * lbo.
@@ -437,6 +457,8 @@ SMALL_M_KERNEL(16, 8)
 template <int BM>
 __device__ __forceinline__ void decode_act_image(const Params& p) {
   // one thread per (row, chunk, code-word pair); rows past M decode zeros
+  wait_previous_kernel();
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the GEMM may start
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int m_tiles = (p.M + BM - 1) / BM;
   if (i >= (long long)m_tiles * BM * p.a_chunks * 8) return;
@@ -569,6 +591,9 @@ __device__ __forceinline__ void gemm_mid_m(const Params& p) {
   rows.s0 = p.w_scales + row0 * p.stride_ws + t;
   rows.s1 = p.w_scales + row1 * p.stride_ws + t;
 
+  for (int j = 0; j < 4 && wg_chunk<WGS>(j, wg) < ch_end; ++j)
+    prefetch_weight(rows, wg_chunk<WGS>(j, wg), wg_chunk<WGS>(j, wg) + 1);
+  wait_previous_kernel();
   const u32 ring = (u32)__cvta_generic_to_shared(smem) + wg * (RING * BM * 256);
   float* xbuf = (float*)(smem + WGS * (RING * BM * 256));
 #pragma unroll
