@@ -45,6 +45,7 @@ from ._fp import (
     nan_like,
 )
 from .nvfp4_decode import CHUNK, STREAMS, decode_operand
+from .nvfp4_quantize import e2m1_magic
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: Tile of the input per program: BLOCK_R tokens x BLOCK_C features (both multiples of 16).
@@ -131,6 +132,27 @@ def _finite_amax(v):
 
 
 @triton.jit
+def e2m1_round_nearest(a):
+    """float32 ``a`` in [0, 6] rounded to the E2M1 grid (steps 1/2 below 2, 1 below 4, 2 up to
+    6), ties to the even code: ``a + step * 2^23`` rounds to a multiple of ``step``."""
+    magic = e2m1_magic(a).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
+
+
+@triton.jit
+def e2m1_round_stochastic(a, u):
+    """float32 ``a`` in [0, 6] rounded to an E2M1 neighbour: the upper one when
+    ``u * (hi - lo) < a - lo`` (the torch path's rule; ``u`` uniform in [0, 1)), computed
+    divided by the step (a power of two, so exactly). Never above 6 since ``a <= 6``."""
+    magic = e2m1_magic(a)
+    step = (magic - 0x0B800000).to(tl.float32, bitcast=True)
+    per_step = (-0x75800000 - magic).to(tl.float32, bitcast=True)  # bits 0x8A800000 - magic
+    t = a * per_step
+    below = tl.floor(t)
+    return tl.where(u < t - below, below + 1.0, below) * step
+
+
+@triton.jit
 def _qdq_tile(
     v,
     s_enc,
@@ -155,19 +177,13 @@ def _qdq_tile(
         FLT_MAX,
         propagate_nan=tl.PropagateNan.ALL,
     )
-    scaled = tl.clamp(v3 * encode[:, :, None], -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)
-    a = tl.abs(scaled)
-    # E2M1 magnitudes step by 1/2 below 2, by 1 below 4, by 2 up to 6: on a's step, a * (1/step)
-    # rounded to an integer (the even one on ties) is the nearest code, ties to the even code.
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    per_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
+    scaled = v3 * encode[:, :, None]
+    a = tl.minimum(tl.abs(scaled), 6.0)
     if STOCHASTIC:
-        lo = tl.floor(a * per_step) * step
-        u = _uniform(seed, tl.reshape(offsets, [P, NB, 16]))
-        # The torch path's rule: the upper neighbour when u * (hi - lo) < |v| - lo.
-        magnitude = tl.minimum(tl.where(u * step < a - lo, lo + step, lo), 6.0)
+        magnitude = e2m1_round_stochastic(a, _uniform(seed, tl.reshape(offsets, [P, NB, 16])))
     else:
-        magnitude = ((a * per_step + 8388608.0) - 8388608.0) * step  # 2^23: round half even
+        magnitude = e2m1_round_nearest(a)
     signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
     q = signed.to(tl.float32, bitcast=True) * scale[:, :, None]
     return tl.reshape(q, [P, Q]).to(tl.bfloat16)
