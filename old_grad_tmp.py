@@ -1,0 +1,344 @@
+"""The learner's backward GEMM operands on Hopper: NVFP4 quantize-dequantize of gradients and
+activations in two fused passes, for BF16 tensor-core GEMMs (cuBLAS) in dgrad and wgrad.
+
+Hopper has no FP4 MMA, so an NVFP4 GEMM runs on BF16 values ``code * f32(block scale)``, which
+are exact in BF16; the FP32 global decode scales multiply the accumulator. The backward GEMMs
+are the learner's own business (docs/contract.md section 7), so they need neither the forward's
+fixed K order nor packed codes: these kernels write the exact BF16 values ``code * scale`` directly.
+
+One input ``x`` [R, C] (R tokens, C features; any strides) gives, in the same passes:
+
+- ``row``: blocks of 16 along C (dgrad's output-gradient operand), values ``x * col_scale[c]``
+  (the weight's per-channel decode scales folded in); output [R, C];
+- ``col``: blocks of 16 along R (wgrad's operands), optionally after the random Hadamard
+  transform over 16-token blocks (rounded to BF16, as ``random_hadamard_transform``), tokens
+  zero-padded to a multiple of 16; output [ceil(R/16)*16, C].
+
+Each output has one per-tensor amax (first pass: atomic max of the tiles' amax, non-finite flag
+alongside), then the recipe-v1 block scales of :func:`minite_common.quantize_nvfp4` (same
+float32 formula and order) and codes rounded to nearest even, or stochastically with the torch
+path's rule (the upper neighbour with probability ``(|v| - lo) / (hi - lo)``; 24-bit uniform
+random numbers from an integer hash of the element index and a seed). The decode scale (NaN
+when the operand holds NaN/Inf, as the torch path gives) is written to a two-element vector.
+
+Compared with the torch path, the codes and scales are the same function of the operand; only
+the RHT's float32 sum order before its BF16 rounding may differ (rarely one BF16 ulp), and the
+stochastic rounding draws other random numbers of the same distribution.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp import (
+    FLT_MAX,
+    INF,
+    SIXTH_F32,
+    e4m3_to_f32,
+    f32_to_e4m3_rne,
+    global_scales,
+    nan_like,
+)
+from .nvfp4_decode import CHUNK, STREAMS, decode_operand
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: Tile of the input per program: BLOCK_R tokens x BLOCK_C features (both multiples of 16).
+BLOCK_R = 64
+BLOCK_C = 64
+
+
+SIGN = tl.constexpr(-(2**31))
+
+
+@triton.jit
+def _uniform(seed, index):
+    """Uniform float32 in [0, 1) (24 random bits) for each int32 ``index``: Chris Wellons'
+    lowbias32 integer hash of the index mixed with ``seed``, a bijection with full avalanche
+    (about 10 integer operations, against about 70 for ``tl.rand``'s 10-round Philox)."""
+    x = index.to(tl.uint32, bitcast=True) * 0x9E3779B9 + seed.to(tl.uint32)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """float32 -> the nearest BF16 value (ties to even), kept in float32; integer arithmetic, so
+    the interpreter (whose casts truncate) gives the GPU's bits. Inf and NaN stay Inf and NaN."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C):
+    """The input tile [BLOCK_R, BLOCK_C] as stored (zeros outside the tensor)."""
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :].to(tl.int64) * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE: tl.constexpr):
+    """float32 ``x * col_scale[c]`` [BLOCK_R, BLOCK_C] (blocks of 16 along the last axis)."""
+    v = x.to(tl.float32)
+    if ROW_SCALE:
+        scale = tl.load(col_scale_ptr + offs_c * scale_stride, mask=offs_c < C, other=1.0)
+        v = v * scale[None, :]
+    return v
+
+
+@triton.jit
+def _col_values(
+    x,
+    h_ptr,
+    RHT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """float32 tile transposed to [BLOCK_C, BLOCK_R] (blocks of 16 tokens along the last axis),
+    after the RHT rounded to BF16 if RHT. DOT_BF16: the input is BF16, whose products with the
+    +-1/4 entries are exact, so a BF16 MMA with float32 accumulation computes the transform."""
+    xt = tl.trans(x)
+    if RHT:
+        flat = tl.reshape(xt, [BLOCK_C * BLOCK_R // 16, 16])
+        offs = tl.arange(0, 16)
+        h = tl.load(h_ptr + offs[:, None] * 16 + offs[None, :])
+        if DOT_BF16:
+            y = tl.dot(flat.to(tl.bfloat16), h.to(tl.bfloat16))
+        else:
+            y = tl.dot(flat.to(tl.float32), h, input_precision="ieee")
+        return tl.reshape(_round_to_bf16(y), [BLOCK_C, BLOCK_R])
+    return xt.to(tl.float32)
+
+
+@triton.jit
+def _finite_amax(v):
+    """(max |v| over the finite elements, 1.0 if any element is NaN/Inf else 0.0)."""
+    finite = tl.abs(v) < INF
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), axis=1), axis=0)
+    bad = tl.max(tl.max(tl.where(finite, 0.0, 1.0), axis=1), axis=0)
+    return amax, bad
+
+
+@triton.jit
+def _qdq_tile(
+    v,
+    s_enc,
+    s_dec,
+    offsets,
+    seed,
+    STOCHASTIC: tl.constexpr,
+    P: tl.constexpr,
+    Q: tl.constexpr,
+):
+    """BF16 ``code * f32(scale)`` of a float32 tile [P, Q] quantized in blocks of 16 along the
+    last axis, recipe v1 (non-finite elements as 0); ``offsets`` [P, Q] index the random draws."""
+    NB: tl.constexpr = Q // 16
+    v = tl.where(tl.abs(v) < INF, v, 0.0)
+    v3 = tl.reshape(v, [P, NB, 16])
+    bamax = tl.max(tl.abs(v3), axis=2)
+    scale_f32 = tl.minimum(bamax * (s_enc * SIXTH_F32), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    scale = e4m3_to_f32(f32_to_e4m3_rne(scale_f32))
+    block_dec = scale * s_dec
+    encode = tl.minimum(
+        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    scaled = tl.clamp(v3 * encode[:, :, None], -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)
+    a = tl.abs(scaled)
+    # E2M1 magnitudes step by 1/2 below 2, by 1 below 4, by 2 up to 6: on a's step, a * (1/step)
+    # rounded to an integer (the even one on ties) is the nearest code, ties to the even code.
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    per_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    if STOCHASTIC:
+        lo = tl.floor(a * per_step) * step
+        u = _uniform(seed, tl.reshape(offsets, [P, NB, 16]))
+        # The torch path's rule: the upper neighbour when u * (hi - lo) < |v| - lo.
+        magnitude = tl.minimum(tl.where(u * step < a - lo, lo + step, lo), 6.0)
+    else:
+        magnitude = ((a * per_step + 8388608.0) - 8388608.0) * step  # 2^23: round half even
+    signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
+    q = signed.to(tl.float32, bitcast=True) * scale[:, :, None]
+    return tl.reshape(q, [P, Q]).to(tl.bfloat16)
+
+
+@triton.jit
+def _grad_amax_kernel(
+    x_ptr,
+    stride_r,
+    stride_c,
+    R,
+    C,
+    col_scale_ptr,
+    scale_stride,
+    h_ptr,
+    stats_ptr,
+    ROW: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    COL: tl.constexpr,
+    RHT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pass 1: atomic max of each output's amax and non-finite flag into ``stats``
+    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+    if ROW:
+        amax, bad = _finite_amax(_row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE))
+        tl.atomic_max(stats_ptr + 0, amax)
+        tl.atomic_max(stats_ptr + 1, bad)
+    if COL:
+        amax, bad = _finite_amax(_col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C))
+        tl.atomic_max(stats_ptr + 2, amax)
+        tl.atomic_max(stats_ptr + 3, bad)
+
+
+@triton.jit
+def _grad_qdq_kernel(
+    x_ptr,
+    stride_r,
+    stride_c,
+    R,
+    C,
+    R_PAD,
+    col_scale_ptr,
+    scale_stride,
+    h_ptr,
+    stats_ptr,
+    decode_ptr,
+    row_out,
+    col_out,
+    seed_row,
+    seed_col,
+    ROW: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    ROW_SR: tl.constexpr,
+    COL: tl.constexpr,
+    RHT: tl.constexpr,
+    COL_SR: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pass 2: BF16 ``code * scale`` of the tile into ``row_out`` [R, C] and/or ``col_out``
+    [R_PAD, C] (both row-major); program (0, 0) writes the decode scales to ``decode``."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    first = (pid_r == 0) & (pid_c == 0)
+    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+    index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
+    if ROW:
+        s_enc, s_dec = global_scales(tl.load(stats_ptr + 0))
+        if first:
+            bad = tl.load(stats_ptr + 1)
+            tl.store(decode_ptr + 0, tl.where(bad != 0, nan_like(s_dec), s_dec))
+        v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, ROW_SR, BLOCK_R, BLOCK_C)
+        ok = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+        out = row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
+        tl.store(out, q, mask=ok)
+    if COL:
+        s_enc, s_dec = global_scales(tl.load(stats_ptr + 2))
+        if first:
+            bad = tl.load(stats_ptr + 3)
+            tl.store(decode_ptr + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
+        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, COL_SR, BLOCK_C, BLOCK_R)
+        ok = (offs_r < R_PAD)[:, None] & (offs_c < C)[None, :]
+        out = col_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
+        tl.store(out, tl.trans(q), mask=ok)
+
+
+def quantize_grad_operands(
+    x: torch.Tensor,
+    *,
+    row: bool,
+    row_scale: torch.Tensor | None = None,
+    row_stochastic: bool = False,
+    col: bool = False,
+    rht: torch.Tensor | None = None,
+    col_stochastic: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``(row_values, col_values, decode)`` of the 2D tensor ``x`` [R, C] (see the module).
+
+    ``row_values`` BF16 [R, C] (``row``), ``col_values`` BF16 [ceil(R/16)*16, C] (``col``),
+    ``decode`` float32 [2]: the row and col operands' decode scales ``S_dec`` (0-d views are
+    ``decode[0]``, ``decode[1]``). ``row_scale`` float32 [C] multiplies ``x`` for ``row``;
+    ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it).
+    ``rht``: the 16x16 random Hadamard matrix to apply to the col operand's 16-token blocks
+    (``minite_common.hadamard.rht_matrix``), or None for none.
+    """
+    if x.dim() != 2 or x.shape[1] % 16:
+        raise ValueError(f"quantize_grad_operands: need [R, C] with C % 16 == 0, got {x.shape}")
+    if not (row or col):
+        raise ValueError("quantize_grad_operands: ask for the row and/or col operand")
+    r, c = x.shape
+    r_pad = -(-r // 16) * 16
+    dev = x.device
+    stats = torch.zeros(6, dtype=torch.float32, device=dev)
+    decode = stats[4:6]
+    row_out = torch.empty(r, c, dtype=torch.bfloat16, device=dev) if row else None
+    col_out = torch.empty(r_pad, c, dtype=torch.bfloat16, device=dev) if col else None
+    if r == 0:
+        stats[4:6] = 1.0
+        return row_out, col_out, decode
+    has_scale = row and row_scale is not None
+    scale_arg = row_scale.float() if has_scale else stats
+    scale_stride = scale_arg.stride(0) if has_scale and scale_arg.dim() else 0
+    if has_scale and scale_arg.dim() and scale_arg.shape[0] != c:
+        raise ValueError(
+            f"quantize_grad_operands: row_scale has {scale_arg.shape[0]} values, not {c}"
+        )
+    h = rht.to(dev, torch.float32).contiguous() if col and rht is not None else stats
+    dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
+    grid = (triton.cdiv(r_pad, BLOCK_R), triton.cdiv(c, BLOCK_C))
+    flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
+    _grad_amax_kernel[grid](
+        x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, h, stats,
+        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, **flags,
+    )  # fmt: skip
+    _grad_qdq_kernel[grid](
+        x, x.stride(0), x.stride(1), r, c, r_pad, scale_arg, scale_stride, h, stats, decode,
+        row_out if row else stats, col_out if col else stats,
+        seed % 2**31, (seed * 2654435761 + 1013904223) % 2**31,
+        ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
+    )  # fmt: skip
+    return row_out, col_out, decode
+
+
+_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoded_weight(w) -> torch.Tensor:
+    """BF16 [N, K] ``code * f32(scale) * 2^-7`` of the NVFP4 weight ``w`` [N, K] in natural K
+    order (exact; decode scales not applied), cached per weight version like the transposed
+    codes. dgrad's cuBLAS operand: ``dX = (G @ decoded) * 2^7 * S_dec(G)``."""
+    key = (w.codes.data_ptr(), w.codes._version, w.scales._version)
+    cached = _DECODED.get(w)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows, k = w.rows, w.cols
+    streams = decode_operand(w.codes, w.scales, use_asm=not _INTERPRETED)  # [N, chunks*256]
+    chunks = streams.shape[1] // CHUNK
+    natural = streams.view(rows, chunks, STREAMS, CHUNK // STREAMS).transpose(2, 3)
+    result = natural.reshape(rows, chunks * CHUNK)[:, :k].contiguous()
+    _DECODED[w] = (key, result)
+    return result
