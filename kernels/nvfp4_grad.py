@@ -71,6 +71,16 @@ def _uniform(seed, index):
 
 
 @triton.jit
+def _seeds(seed_ptr, STOCHASTIC: tl.constexpr):
+    """The row and col operands' seeds from the int64 ``seed`` at ``seed_ptr`` (in [0, 2^31)):
+    ``seed`` and ``(seed * 2654435761 + 1013904223) mod 2^31``; zeros without a draw."""
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
+        return seed, (seed * 2654435761 + 1013904223) % 2147483648
+    return 0, 0
+
+
+@triton.jit
 def _round_to_bf16(v):
     """float32 -> the nearest BF16 value (ties to even), kept in float32; integer arithmetic, so
     the interpreter (whose casts truncate) gives the GPU's bits. Inf and NaN stay Inf and NaN."""
@@ -189,7 +199,7 @@ def _qdq_tile(
     return tl.reshape(q, [P, Q]).to(tl.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _grad_amax_kernel(
     x_ptr,
     stride_r,
@@ -223,7 +233,7 @@ def _grad_amax_kernel(
         tl.atomic_max(stats_ptr + 3, bad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "R_PAD"])
 def _grad_qdq_kernel(
     x_ptr,
     stride_r,
@@ -238,8 +248,7 @@ def _grad_qdq_kernel(
     decode_ptr,
     row_out,
     col_out,
-    seed_row,
-    seed_col,
+    seed_ptr,
     ROW: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     ROW_SR: tl.constexpr,
@@ -259,6 +268,7 @@ def _grad_qdq_kernel(
     first = (pid_r == 0) & (pid_c == 0)
     x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
     index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
+    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
     if ROW:
         s_enc, s_dec = global_scales(tl.load(stats_ptr + 0))
         if first:
@@ -281,6 +291,19 @@ def _grad_qdq_kernel(
         tl.store(out, tl.trans(q), mask=ok)
 
 
+def seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The kernels' seed argument: int64 [1] on ``device`` holding ``seed mod 2^31`` (the same
+    random draws for a Python int and for a tensor of that value)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype != torch.int64 or seed.device != device:
+            raise ValueError(
+                f"seed: need an int64 tensor of one element on {device}, got "
+                f"{seed.dtype} {list(seed.shape)} on {seed.device}"
+            )
+        return seed.reshape(1)
+    return torch.tensor([seed % 2**31], dtype=torch.int64, device=device)
+
+
 def quantize_grad_operands(
     x: torch.Tensor,
     *,
@@ -290,14 +313,16 @@ def quantize_grad_operands(
     col: bool = False,
     rht: torch.Tensor | None = None,
     col_stochastic: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(row_values, col_values, decode)`` of the 2D tensor ``x`` [R, C] (see the module).
 
     ``row_values`` BF16 [R, C] (``row``), ``col_values`` BF16 [ceil(R/16)*16, C] (``col``),
     ``decode`` float32 [2]: the row and col operands' decode scales ``S_dec`` (0-d views are
     ``decode[0]``, ``decode[1]``). ``row_scale`` float32 [C] multiplies ``x`` for ``row``;
-    ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it).
+    ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it):
+    a Python int, or an int64 tensor of one element on ``x``'s device (read by the kernel, so
+    a seed drawn on the device costs no host synchronization; see :func:`seed_tensor`).
     ``rht``: the 16x16 random Hadamard matrix to apply to the col operand's 16-token blocks
     (``minite_common.hadamard.rht_matrix``), or None for none.
     """
@@ -333,7 +358,7 @@ def quantize_grad_operands(
     _grad_qdq_kernel[grid](
         x, x.stride(0), x.stride(1), r, c, r_pad, scale_arg, scale_stride, h, stats, decode,
         row_out if row else stats, col_out if col else stats,
-        seed % 2**31, (seed * 2654435761 + 1013904223) % 2**31,
+        seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
     )  # fmt: skip

@@ -112,7 +112,7 @@ def _quantize_tile(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _quantize_nvfp4_kernel(
     x_ptr,
     stride_xr,
@@ -173,7 +173,7 @@ def _quantize_nvfp4_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _quantize_bf16_rows_kernel(
     w_ptr,
     stride_wr,
@@ -246,7 +246,7 @@ def _quantize_bf16_rows_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _absmax_kernel(
     x_ptr,
     stride_xr,
