@@ -119,20 +119,20 @@ def _grouped_grad_qdq_kernel(
     stats = stats_ptr + g * 4
     if ROW:
         s_enc, s_dec = global_scales(tl.load(stats + 0))
+        bad = tl.load(stats + 1)
         if first:
-            bad = tl.load(stats + 1)
             tl.store(decode_ptr + g * 2, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _row_values(x, col_scale_ptr + g * C, 1, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, ROW_SR, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C)
         ok = (offs_r < r_end)[:, None] & (offs_c < C)[None, :]
         tl.store(row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :], q, mask=ok)
     if COL:
         s_enc, s_dec = global_scales(tl.load(stats + 2))
+        bad = tl.load(stats + 3)
         if first:
-            bad = tl.load(stats + 3)
             tl.store(decode_ptr + g * 2 + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, COL_SR, BLOCK_C, BLOCK_R)
+        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, bad, COL_SR, BLOCK_C, BLOCK_R)
         offs_p = p0 + tl.arange(0, BLOCK_R)
         p_end = p0 + (r_end - r0 + 15) // 16 * 16
         ok = (offs_p < p_end)[:, None] & (offs_c < C)[None, :]
