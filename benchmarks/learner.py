@@ -449,7 +449,8 @@ def _sync(device: torch.device) -> None:
 def kernel_category(name: str) -> str:
     """Which part of the split a GPU kernel's time belongs to."""
     n = name.lower()
-    if any(s in n for s in ("_grad_amax_kernel", "_grad_qdq_kernel", "quantize_nvfp4", "absmax")):
+    quantize = ("_grad_amax", "_grad_qdq", "quantize_nvfp4", "quantize_bf16", "absmax")
+    if any(s in n for s in quantize):
         return "quantize"
     if "_decode_operand_kernel" in n:
         return "gemm"  # the NVFP4 GEMM's own decode of its operands (large-M path)
