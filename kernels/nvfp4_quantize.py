@@ -288,6 +288,9 @@ def _bf16_words(x: torch.Tensor) -> bool:
 
 
 _TILE_ELEMENTS = 8192
+#: Elements per program of the BF16 word-pair kernel (64 per thread: the per-program reductions
+#: and scale arithmetic are spread over twice the elements of the generic kernel's tile).
+_WORD_TILE_ELEMENTS = 16384
 _ONE_ROW_PROGRAMS = 256
 
 
@@ -334,7 +337,7 @@ def quantize_nvfp4_triton(
         single = False
     elif k <= _SINGLE_PASS_MAX_K and not block_2d and _bf16_words(x):
         block_k = triton.next_power_of_2(k)
-        block_m = 1 if rows <= _ONE_ROW_PROGRAMS else max(1, _TILE_ELEMENTS // block_k)
+        block_m = 1 if rows <= _ONE_ROW_PROGRAMS else max(1, _WORD_TILE_ELEMENTS // block_k)
         _quantize_bf16_rows_kernel[(triton.cdiv(rows, block_m),)](
             x.view(torch.int32), x.stride(0) // 2, codes, scales, decode, amax_arg, amax_stride,
             rows, k,
