@@ -65,13 +65,14 @@ def measure(device: torch.device) -> list[dict[str, float | str]]:
     g = torch.randn(tokens, 4096, device=device, dtype=torch.bfloat16)
     scale = torch.rand(4096, device=device) + 0.5
     h = rht_matrix(device)
+    seed = torch.tensor([1], dtype=torch.int64, device=device)  # as the learner passes it
     n = g.numel()
     add("grad [32768, 4096] row (scales, SR) + col (RHT, SR), 2 passes", bench(
         lambda: quantize_grad_operands(g, row=True, row_scale=scale, row_stochastic=True,
-                                       col=True, rht=h, col_stochastic=True, seed=1)
+                                       col=True, rht=h, col_stochastic=True, seed=seed)
     ), 2 * n * 2 + 2 * n * 2)  # fmt: skip
     add("grad [32768, 4096] row only (scales, SR), 2 passes", bench(
-        lambda: quantize_grad_operands(g, row=True, row_scale=scale, row_stochastic=True, seed=1)
+        lambda: quantize_grad_operands(g, row=True, row_scale=scale, row_stochastic=True, seed=seed)
     ), 2 * n * 2 + n * 2)  # fmt: skip
     add("activation [32768, 4096] col (RHT, nearest), 2 passes", bench(
         lambda: quantize_grad_operands(g, row=False, col=True, rht=h)
