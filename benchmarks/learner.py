@@ -12,6 +12,12 @@ Layers (Megatron-Core's local, non-TE specs; RMSNorm, q/k RMSNorm, SwiGLU, RoPE,
 Variants (same weights, same routing function, same inputs):
 
 - ``bf16``: Megatron's local spec (``get_gpt_decoder_block_spec(use_transformer_engine=False)``);
+- ``bf16_grouped`` (MoE layer only): the same spec with ``SequentialMLP`` replaced by
+  :class:`BF16GroupedMLP`: every local expert's BF16 weights stacked, fc1 and fc2 as one
+  ``torch._grouped_mm`` each (cuBLAS/CUTLASS grouped GEMMs, autograd included), the same router,
+  dispatcher, SwiGLU and probability product. This is the fair BF16 peer of ``minite_grouped``
+  (what Transformer Engine's ``TEGroupedMLP`` gives a BF16 MoE learner), and every MoE ratio is
+  quoted against it; ``SequentialMLP`` stays beside it as Megatron's host-bound local loop;
 - ``minite``: ``minite_megatron.get_gpt_decoder_block_minite_spec``: W4A4 NVFP4 fprop (the
   sampler's Triton kernels), NVFP4 dgrad/wgrad (stochastic rounding, RHT) as the learner runs;
 - ``minite_qonly`` ("miniTE quantize + BF16 GEMMs", a benchmark-only variant): the miniTE
@@ -74,13 +80,16 @@ warnings.filterwarnings("ignore")
 
 VARIANTS = {
     "bf16": "BF16 local spec",
+    "bf16_grouped": "BF16 grouped experts (torch._grouped_mm)",
     "minite": "miniTE NVFP4",
     "minite_qonly": "miniTE quantize + BF16 GEMMs",
     "minite_nvfp4bwd": "miniTE, NVFP4-GEMM backward (as first shipped)",
     "minite_grouped": "miniTE NVFP4, grouped experts",
 }
 #: Variants that only differ from ``minite`` in a MoE layer.
-MOE_ONLY_VARIANTS = ("minite_grouped",)
+MOE_ONLY_VARIANTS = ("bf16_grouped", "minite_grouped")
+#: Variants whose layer is BF16 (no NVFP4 weights to re-quantize per optimizer step).
+BF16_VARIANTS = ("bf16", "bf16_grouped")
 
 
 @dataclass(frozen=True)
@@ -244,7 +253,7 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
     import minite_megatron as mm
 
     config = mm.transformer_config_from_hf(shape.hf_config())
-    if variant == "bf16":
+    if variant in BF16_VARIANTS:
         block = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=config.normalization
         )
@@ -253,6 +262,8 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
             config, grouped_experts=variant == "minite_grouped"
         )
     spec = block.layer_specs[0]
+    if variant == "bf16_grouped":
+        spec = bf16_grouped_spec(spec)
     if attention == "sdpa":
         from minite_megatron.spec_tree import replace_class
 
@@ -262,6 +273,98 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
         model_parallel_cuda_manual_seed(0)
     layer = build_module(spec, config=config, layer_number=1)
     return layer.to(device=device, dtype=torch.bfloat16), config
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped BF16 experts baseline
+
+
+class BF16GroupedMLP(torch.nn.Module):
+    """BF16 SwiGLU experts with Megatron's ``SequentialMLP`` interface, all local experts in two
+    ``torch._grouped_mm`` calls (forward and autograd backward): ``linear_fc1.weight``
+    [experts, 2 * ffn, hidden] (each expert's gate rows, then its up rows, as ``SequentialMLP``'s
+    GLU split) and ``linear_fc2.weight`` [experts, hidden, ffn]. Initialized expert by expert,
+    fc1 then fc2, as ``SequentialMLP``'s expert MLPs are (GPU: under the expert-parallel RNG
+    tracker). The activation is Megatron's unfused local one, ``bf16(silu(gate) * up)``, then
+    ``bf16(act * prob)``; the group offsets stay on the device (no host synchronization)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not config.gated_linear_unit or config.add_bias_linear:
+            raise ValueError("BF16GroupedMLP: needs SwiGLU experts without biases")
+        self.config = config
+        self.num_local_experts = num_local_experts
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        dtype = config.params_dtype
+        dev = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.linear_fc1 = torch.nn.Module()
+        self.linear_fc2 = torch.nn.Module()
+        self.linear_fc1.weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, 2 * ffn, hidden, dtype=dtype, device=dev)
+        )
+        self.linear_fc2.weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, ffn, dtype=dtype, device=dev)
+        )
+        for p in (self.linear_fc1.weight, self.linear_fc2.weight):
+            p.allreduce = False  # expert parameters: not data-parallel across the EP group
+        if config.perform_initialization:
+            self._initialize()
+
+    @torch.no_grad()
+    def _initialize(self) -> None:
+        from megatron.core.tensor_parallel.random import (
+            get_cuda_rng_tracker,
+            get_expert_parallel_rng_tracker_name,
+        )
+
+        inits = (
+            (self.linear_fc1.weight, self.config.init_method),
+            (self.linear_fc2.weight, self.config.output_layer_init_method),
+        )
+        for e in range(self.num_local_experts):
+            for weight, init in inits:
+                if self.config.use_cpu_initialization:
+                    master = torch.empty(weight.shape[1:], dtype=torch.float32)
+                    init(master)
+                    weight[e].copy_(master)
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init(weight[e])
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
+        """Rows grouped by local expert (``tokens_per_expert``) -> expert outputs, rows alike."""
+        x = permuted_local_hidden_states
+        offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+        h = torch._grouped_mm(x, self.linear_fc1.weight.transpose(1, 2), offs=offs)
+        gate, up = torch.chunk(h, 2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        act = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)
+        return torch._grouped_mm(act, self.linear_fc2.weight.transpose(1, 2), offs=offs), None
+
+    def backward_dw(self) -> None:
+        """Nothing to defer: wgrad runs in backward."""
+
+
+def bf16_grouped_spec(spec: Any) -> Any:
+    """``spec`` (Megatron's local BF16 layer spec) with ``SequentialMLP`` replaced by
+    :class:`BF16GroupedMLP` (the experts' submodules are kept and ignored)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from minite_megatron.spec_tree import replace_class
+
+    return replace_class(spec, SequentialMLP, BF16GroupedMLP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +449,8 @@ def _sync(device: torch.device) -> None:
 def kernel_category(name: str) -> str:
     """Which part of the split a GPU kernel's time belongs to."""
     n = name.lower()
-    if any(s in n for s in ("_grad_amax_kernel", "_grad_qdq_kernel", "quantize_nvfp4", "absmax")):
+    quantize = ("_grad_amax", "_grad_qdq", "quantize_nvfp4", "quantize_bf16", "absmax")
+    if any(s in n for s in quantize):
         return "quantize"
     if "_decode_operand_kernel" in n:
         return "gemm"  # the NVFP4 GEMM's own decode of its operands (large-M path)
@@ -717,7 +821,7 @@ def run_config(
             res.update(runner.profiled())
             kernel_ms = sum(res["split_ms"].values())
             res["split_ms"]["idle"] = max(res["ms"] - kernel_ms, 0.0)
-        if variant != "bf16":
+        if variant not in BF16_VARIANTS:
             _sync(device)
             t0 = time.perf_counter()
             res["nvfp4_linears"] = invalidate_quantized_weights(layer)
@@ -736,24 +840,43 @@ def run_config(
     return res
 
 
+def baselines(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The BF16 result every ratio of a (layer, seq) is quoted against: ``bf16_grouped`` for the
+    MoE layer when it was measured (the fair peer of grouped NVFP4 experts), else ``bf16``."""
+    base = {(r["layer"], r["seq"]): r for r in results if r["variant"] == "bf16"}
+    for r in results:
+        if r["variant"] == "bf16_grouped":
+            base[(r["layer"], r["seq"])] = r
+    return base
+
+
 def tables(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The result tables (Markdown), the ratio table last."""
     lines: list[str] = []
-    base = {(r["layer"], r["seq"]): r for r in results if r["variant"] == "bf16"}
+    local = {(r["layer"], r["seq"]): r for r in results if r["variant"] == "bf16"}
+    base = baselines(results)
     ceil = meta.get("ceilings", {})
     lines += [
-        "| layer | seq x mb | variant | ms / iter | tokens/s | vs BF16 | peak GiB | "
-        "activations GiB | host ms | per-step weight ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Ratios are tokens/s over the BF16 baseline of the same run: the grouped BF16 experts "
+        "for the MoE layer (where measured), the local spec for the dense layer; "
+        "`vs SequentialMLP` is against Megatron's BF16 local expert loop.",
+        "",
+        "| layer | seq x mb | variant | ms / iter | tokens/s | vs BF16 baseline | "
+        "vs SequentialMLP | peak GiB | activations GiB | host ms | per-step weight ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for r in results:
         b = base.get((r["layer"], r["seq"]))
-        ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+        s = local.get((r["layer"], r["seq"]))
+        ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else nan
+        vs_seq = r["tokens_per_s"] / s["tokens_per_s"] if s and r["layer"] == "moe" else nan
         lines.append(
             f"| {r['layer']} | {r['seq']} x {r['batch']} | {VARIANTS[r['variant']]} | "
             f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {ratio:.2f}x | "
-            f"{r.get('peak_gib', 0):.1f} | {r.get('act_gib', 0):.1f} | {r['host_ms']:.1f} | "
-            f"{r.get('per_step_weight_ms', float('nan')):.1f} |"
+            + (f"{vs_seq:.2f}x" if vs_seq == vs_seq else "-")
+            + f" | {r.get('peak_gib', 0):.1f} | {r.get('act_gib', 0):.1f} | {r['host_ms']:.1f} | "
+            f"{r.get('per_step_weight_ms', nan):.1f} |"
         )
     if any("split_ms" in r for r in results):
         lines += [
@@ -793,7 +916,12 @@ def tables(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{w['attn_flops'] / 1e12:.1f} | {w['quant_bytes'] / 1e9:.1f} | "
                 f"{w['quant_bytes'] / 1e9 / ceil.get('copy_tb_s', float('nan')):.1f} |"
             )
-    lines += ["", "| layer | seq x mb | " + " | ".join(VARIANTS[v] for v in VARIANTS) + " |"]
+    lines += [
+        "",
+        "Tokens/s over the BF16 baseline (MoE: grouped BF16 experts where measured):",
+        "",
+        "| layer | seq x mb | " + " | ".join(VARIANTS[v] for v in VARIANTS) + " |",
+    ]
     lines.append("|---|---|" + "---|" * len(VARIANTS))
     for (layer, seq), b in base.items():
         cells = []
@@ -843,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="dense,moe")
     p.add_argument("--seqs", default="4096,8192")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch")
-    p.add_argument("--variants", default="bf16,minite,minite_qonly,minite_grouped")
+    p.add_argument("--variants", default="bf16,bf16_grouped,minite,minite_qonly,minite_grouped")
     p.add_argument("--nvfp4bwd-seqs", default="4096", help="seqs that also run minite_nvfp4bwd")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)

@@ -4,9 +4,11 @@ Each rank runs forward+backward of the same global batch share (``--seq`` x ``--
 tokens) through a Megatron-Core ``GPTModel`` with ``--layers`` Qwen3-30B-A3B decoder layers
 (hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8, vocabulary 151936), expert
 parallelism over all ranks (``--gpus``; data parallelism over the same ranks for the dense
-parameters, whose gradients are all-reduced as DDP would), for two variants built from the same
-seed: Megatron's BF16 local spec (experts through ``SequentialMLP``) and the miniTE spec with
-grouped NVFP4 experts. Reports learner tokens/s (all ranks), the ratio, peak memory and the
+parameters, whose gradients are all-reduced as DDP would), for three variants built from the
+same seed: Megatron's BF16 local spec (experts through ``SequentialMLP``, a host loop), the same
+spec with grouped BF16 experts (``learner.BF16GroupedMLP``: ``torch._grouped_mm``, the fair BF16
+peer) and the miniTE spec with grouped NVFP4 experts. Reports learner tokens/s (all ranks), the
+ratios against both BF16 variants (the grouped one is the baseline), peak memory and the
 step-time split (forward, backward, gradient all-reduce). NVLink multicast stays off
 (``NCCL_NVLS_ENABLE=0``).
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learner import SDPACoreAttention  # noqa: E402  (the benchmarks' helpers)
+from learner import SDPACoreAttention, bf16_grouped_spec  # noqa: E402  (the benchmarks' helpers)
 
 QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, topk=8,
                      expert_ffn=768, vocab=151936)  # fmt: skip
@@ -55,7 +57,7 @@ def hf_config(shape: dict[str, int], layers: int) -> types.SimpleNamespace:
 
 
 def build_model(variant: str, args: argparse.Namespace, device: torch.device):
-    """The GPTModel of ``variant`` ("bf16" or "minite"), same seed for both."""
+    """The GPTModel of ``variant`` ("bf16", "bf16_grouped" or "minite"), same seed for all."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -69,10 +71,12 @@ def build_model(variant: str, args: argparse.Namespace, device: torch.device):
     config = mm.transformer_config_from_hf(
         hf, expert_model_parallel_size=args.gpus, moe_token_dispatcher_type=dispatcher
     )
-    if variant == "bf16":
+    if variant in ("bf16", "bf16_grouped"):
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=config.normalization
         )
+        if variant == "bf16_grouped":
+            spec = bf16_grouped_spec(spec)
     else:
         spec = mm.get_gpt_decoder_block_minite_spec(config, grouped_experts=True)
     if device.type == "cuda":
@@ -106,7 +110,7 @@ def rank_main(rank: int, args: argparse.Namespace, result_file: str) -> None:
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
     results = {}
-    for variant in ("bf16", "minite"):
+    for variant in args.variants.split(","):
         model = build_model(variant, args, device)
         dense = [p for n, p in model.named_parameters() if ".experts." not in n]
         times: dict[str, list[float]] = {"fwd": [], "bwd": [], "allreduce": [], "step": []}
@@ -168,6 +172,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", default="bf16,bf16_grouped,minite")
     p.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks, tiny model")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "multi-gpu-out")))
     args = p.parse_args()
@@ -183,13 +188,15 @@ def main() -> None:
     shape = "tiny MoE" if args.cpu_smoke else "Qwen3-30B-A3B-shaped"
     print(f"{args.layers} {shape} layers, EP={args.gpus} on {args.gpus} ranks, "
           f"seq {args.seq} x micro-batch {args.micro_batch} per rank")  # fmt: skip
-    print(f"{'variant':8s} {'tokens/s':>12s} {'step ms':>9s} {'fwd':>8s} {'bwd':>8s} "
+    print(f"{'variant':12s} {'tokens/s':>12s} {'step ms':>9s} {'fwd':>8s} {'bwd':>8s} "
           f"{'allreduce':>9s} {'peak GiB':>9s}")  # fmt: skip
     for variant, r in results.items():
-        print(f"{variant:8s} {r['tokens_per_s']:12.0f} {r['step']:9.1f} {r['fwd']:8.1f} "
+        print(f"{variant:12s} {r['tokens_per_s']:12.0f} {r['step']:9.1f} {r['fwd']:8.1f} "
               f"{r['bwd']:8.1f} {r['allreduce']:9.1f} {r.get('peak_gib', 0):9.2f}")  # fmt: skip
-    ratio = results["minite"]["tokens_per_s"] / results["bf16"]["tokens_per_s"]
-    print(f"miniTE / BF16 tokens/s: {ratio:.2f}x")
+    for base in ("bf16_grouped", "bf16"):
+        if "minite" in results and base in results:
+            ratio = results["minite"]["tokens_per_s"] / results[base]["tokens_per_s"]
+            print(f"miniTE / {base} tokens/s: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -45,11 +45,14 @@ from ._fp import (
     nan_like,
 )
 from .nvfp4_decode import CHUNK, STREAMS, decode_operand
+from .nvfp4_quantize import e2m1_magic
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: Tile of the input per program: BLOCK_R tokens x BLOCK_C features (both multiples of 16).
 BLOCK_R = 64
 BLOCK_C = 64
+#: Row tiles per program of the amax pass (one cross-thread reduction for all of them).
+AMAX_TILES = 4
 
 
 SIGN = tl.constexpr(-(2**31))
@@ -67,6 +70,17 @@ def _uniform(seed, index):
     x = x * 0x846CA68B
     x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+
+
+@triton.jit
+def _seeds(seed_ptr, STOCHASTIC: tl.constexpr):
+    """The row and col operands' seeds from the int64 ``seed`` at ``seed_ptr`` (in [0, 2^31)):
+    ``seed`` and ``(seed * 2654435761 + 1013904223) mod 2^31`` (``seed`` 0, nothing read, when
+    not STOCHASTIC)."""
+    seed = tl.full([], 0, tl.int64)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.int64)
+    return seed, (seed * 2654435761 + 1013904223) % 2147483648
 
 
 @triton.jit
@@ -123,11 +137,38 @@ def _col_values(
 
 @triton.jit
 def _finite_amax(v):
-    """(max |v| over the finite elements, 1.0 if any element is NaN/Inf else 0.0)."""
-    finite = tl.abs(v) < INF
-    amax = tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), axis=1), axis=0)
-    bad = tl.max(tl.max(tl.where(finite, 0.0, 1.0), axis=1), axis=0)
+    """(max |v| over the finite elements, 1.0 if any element is NaN/Inf else 0.0). The integer
+    max of the magnitudes' bits (Inf and NaN above every finite value) decides; only a tile
+    that holds a non-finite element takes the masked reduction."""
+    top = tl.max(tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+    amax = top.to(tl.float32, bitcast=True)
+    bad = 0.0
+    if top >= 0x7F800000:
+        finite = tl.abs(v) < INF
+        amax = tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), axis=1), axis=0)
+        bad = 1.0
     return amax, bad
+
+
+@triton.jit
+def e2m1_round_nearest(a):
+    """float32 ``a`` in [0, 6] rounded to the E2M1 grid (steps 1/2 below 2, 1 below 4, 2 up to
+    6), ties to the even code: ``a + step * 2^23`` rounds to a multiple of ``step``."""
+    magic = e2m1_magic(a).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
+
+
+@triton.jit
+def e2m1_round_stochastic(a, u):
+    """float32 ``a`` in [0, 6] rounded to an E2M1 neighbour: the upper one when
+    ``u * (hi - lo) < a - lo`` (the torch path's rule; ``u`` uniform in [0, 1)), computed
+    divided by the step (a power of two, so exactly). Never above 6 since ``a <= 6``."""
+    magic = e2m1_magic(a)
+    step = (magic - 0x0B800000).to(tl.float32, bitcast=True)
+    per_step = (-0x75800000 - magic).to(tl.float32, bitcast=True)  # bits 0x8A800000 - magic
+    t = a * per_step
+    below = tl.floor(t)
+    return tl.where(u < t - below, below + 1.0, below) * step
 
 
 @triton.jit
@@ -137,14 +178,17 @@ def _qdq_tile(
     s_dec,
     offsets,
     seed,
+    nonfinite,
     STOCHASTIC: tl.constexpr,
     P: tl.constexpr,
     Q: tl.constexpr,
 ):
     """BF16 ``code * f32(scale)`` of a float32 tile [P, Q] quantized in blocks of 16 along the
-    last axis, recipe v1 (non-finite elements as 0); ``offsets`` [P, Q] index the random draws."""
+    last axis, recipe v1 (non-finite elements as 0, masked only when the operand's flag
+    ``nonfinite`` from pass 1 is set); ``offsets`` [P, Q] index the random draws."""
     NB: tl.constexpr = Q // 16
-    v = tl.where(tl.abs(v) < INF, v, 0.0)
+    if nonfinite != 0:
+        v = tl.where(tl.abs(v) < INF, v, 0.0)
     v3 = tl.reshape(v, [P, NB, 16])
     bamax = tl.max(tl.abs(v3), axis=2)
     scale_f32 = tl.minimum(bamax * (s_enc * SIXTH_F32), 448.0, propagate_nan=tl.PropagateNan.ALL)
@@ -155,25 +199,65 @@ def _qdq_tile(
         FLT_MAX,
         propagate_nan=tl.PropagateNan.ALL,
     )
-    scaled = tl.clamp(v3 * encode[:, :, None], -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)
-    a = tl.abs(scaled)
-    # E2M1 magnitudes step by 1/2 below 2, by 1 below 4, by 2 up to 6: on a's step, a * (1/step)
-    # rounded to an integer (the even one on ties) is the nearest code, ties to the even code.
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    per_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
+    scaled = v3 * encode[:, :, None]
+    a = tl.minimum(tl.abs(scaled), 6.0)
     if STOCHASTIC:
-        lo = tl.floor(a * per_step) * step
-        u = _uniform(seed, tl.reshape(offsets, [P, NB, 16]))
-        # The torch path's rule: the upper neighbour when u * (hi - lo) < |v| - lo.
-        magnitude = tl.minimum(tl.where(u * step < a - lo, lo + step, lo), 6.0)
+        magnitude = e2m1_round_stochastic(a, _uniform(seed, tl.reshape(offsets, [P, NB, 16])))
     else:
-        magnitude = ((a * per_step + 8388608.0) - 8388608.0) * step  # 2^23: round half even
+        magnitude = e2m1_round_nearest(a)
     signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
     q = signed.to(tl.float32, bitcast=True) * scale[:, :, None]
     return tl.reshape(q, [P, Q]).to(tl.bfloat16)
 
 
 @triton.jit
+def _magnitude_bits(v):
+    """int32 bits of ``|v|``: their integer order is the float order, Inf and NaN on top."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _tiles_amax(
+    x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c,
+    COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """(max |v| over the finite elements, 1.0 if any is NaN/Inf else 0.0) of the row
+    (``COL_OUT`` False) or col operand's values over TILES row tiles: an elementwise max of the
+    magnitudes' bits in registers, one reduction at the end; only when it finds a non-finite
+    element are the tiles read again with a masked maximum."""
+    if COL_OUT:
+        top = tl.zeros([BLOCK_C, BLOCK_R], tl.int32)
+    else:
+        top = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+    for i in range(TILES):
+        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+        if COL_OUT:
+            v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
+        else:
+            v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+        top = tl.maximum(top, _magnitude_bits(v))
+    top_all = tl.max(tl.max(top, axis=1), axis=0)
+    amax = top_all.to(tl.float32, bitcast=True)
+    bad = 0.0
+    if top_all >= 0x7F800000:
+        amax = 0.0
+        for i in range(TILES):
+            offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+            if COL_OUT:
+                v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
+            else:
+                v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+            finite = tl.abs(v) < INF
+            amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
+        bad = 1.0
+    return amax, bad
+
+
+@triton.jit(do_not_specialize=["R"])
 def _grad_amax_kernel(
     x_ptr,
     stride_r,
@@ -189,25 +273,32 @@ def _grad_amax_kernel(
     COL: tl.constexpr,
     RHT: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    TILES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Pass 1: atomic max of each output's amax and non-finite flag into ``stats``
-    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero. A program covers TILES tiles of
+    BLOCK_R rows (one reduction and one atomic per operand for all of them)."""
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+    args = (x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr)
     if ROW:
-        amax, bad = _finite_amax(_row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE))
+        amax, bad = _tiles_amax(
+            *args, tl.program_id(0), offs_c, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R,
+            BLOCK_C,
+        )  # fmt: skip
         tl.atomic_max(stats_ptr + 0, amax)
         tl.atomic_max(stats_ptr + 1, bad)
     if COL:
-        amax, bad = _finite_amax(_col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C))
+        amax, bad = _tiles_amax(
+            *args, tl.program_id(0), offs_c, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R,
+            BLOCK_C,
+        )  # fmt: skip
         tl.atomic_max(stats_ptr + 2, amax)
         tl.atomic_max(stats_ptr + 3, bad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "R_PAD"])
 def _grad_qdq_kernel(
     x_ptr,
     stride_r,
@@ -222,8 +313,7 @@ def _grad_qdq_kernel(
     decode_ptr,
     row_out,
     col_out,
-    seed_row,
-    seed_col,
+    seed_ptr,
     ROW: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     ROW_SR: tl.constexpr,
@@ -243,26 +333,40 @@ def _grad_qdq_kernel(
     first = (pid_r == 0) & (pid_c == 0)
     x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
     index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
+    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
     if ROW:
         s_enc, s_dec = global_scales(tl.load(stats_ptr + 0))
+        bad = tl.load(stats_ptr + 1)
         if first:
-            bad = tl.load(stats_ptr + 1)
             tl.store(decode_ptr + 0, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, ROW_SR, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C)
         ok = (offs_r < R)[:, None] & (offs_c < C)[None, :]
         out = row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
         tl.store(out, q, mask=ok)
     if COL:
         s_enc, s_dec = global_scales(tl.load(stats_ptr + 2))
+        bad = tl.load(stats_ptr + 3)
         if first:
-            bad = tl.load(stats_ptr + 3)
             tl.store(decode_ptr + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, COL_SR, BLOCK_C, BLOCK_R)
+        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, bad, COL_SR, BLOCK_C, BLOCK_R)
         ok = (offs_r < R_PAD)[:, None] & (offs_c < C)[None, :]
         out = col_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
         tl.store(out, tl.trans(q), mask=ok)
+
+
+def seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The kernels' seed argument: int64 [1] on ``device`` holding ``seed mod 2^31`` (the same
+    random draws for a Python int and for a tensor of that value)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype != torch.int64 or seed.device != device:
+            raise ValueError(
+                f"seed: need an int64 tensor of one element on {device}, got "
+                f"{seed.dtype} {list(seed.shape)} on {seed.device}"
+            )
+        return seed.reshape(1)
+    return torch.tensor([seed % 2**31], dtype=torch.int64, device=device)
 
 
 def quantize_grad_operands(
@@ -274,14 +378,16 @@ def quantize_grad_operands(
     col: bool = False,
     rht: torch.Tensor | None = None,
     col_stochastic: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(row_values, col_values, decode)`` of the 2D tensor ``x`` [R, C] (see the module).
 
     ``row_values`` BF16 [R, C] (``row``), ``col_values`` BF16 [ceil(R/16)*16, C] (``col``),
     ``decode`` float32 [2]: the row and col operands' decode scales ``S_dec`` (0-d views are
     ``decode[0]``, ``decode[1]``). ``row_scale`` float32 [C] multiplies ``x`` for ``row``;
-    ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it).
+    ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it):
+    a Python int, or an int64 tensor of one element on ``x``'s device (read by the kernel, so
+    a seed drawn on the device costs no host synchronization; see :func:`seed_tensor`).
     ``rht``: the 16x16 random Hadamard matrix to apply to the col operand's 16-token blocks
     (``minite_common.hadamard.rht_matrix``), or None for none.
     """
@@ -310,14 +416,16 @@ def quantize_grad_operands(
     dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (triton.cdiv(r_pad, BLOCK_R), triton.cdiv(c, BLOCK_C))
     flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
-    _grad_amax_kernel[grid](
+    amax_grid = (triton.cdiv(r_pad, BLOCK_R * AMAX_TILES), grid[1])
+    _grad_amax_kernel[amax_grid](
         x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, h, stats,
-        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, **flags,
+        ROW_SCALE=has_scale, TILES=AMAX_TILES, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
+        **flags,
     )  # fmt: skip
     _grad_qdq_kernel[grid](
         x, x.stride(0), x.stride(1), r, c, r_pad, scale_arg, scale_stride, h, stats, decode,
         row_out if row else stats, col_out if col else stats,
-        seed % 2**31, (seed * 2654435761 + 1013904223) % 2**31,
+        seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
     )  # fmt: skip

@@ -33,6 +33,8 @@ from .nvfp4_grad import (
     _load_tile,
     _qdq_tile,
     _row_values,
+    _seeds,
+    seed_tensor,
 )
 from .nvfp4_quantize import _quantize_nvfp4_kernel
 
@@ -89,8 +91,7 @@ def _grouped_grad_qdq_kernel(
     decode_ptr,
     row_out,
     col_out,
-    seed_row,
-    seed_col,
+    seed_ptr,
     ROW: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     ROW_SR: tl.constexpr,
@@ -114,23 +115,24 @@ def _grouped_grad_qdq_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, r_end, C)
     index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
+    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
     stats = stats_ptr + g * 4
     if ROW:
         s_enc, s_dec = global_scales(tl.load(stats + 0))
+        bad = tl.load(stats + 1)
         if first:
-            bad = tl.load(stats + 1)
             tl.store(decode_ptr + g * 2, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _row_values(x, col_scale_ptr + g * C, 1, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, ROW_SR, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C)
         ok = (offs_r < r_end)[:, None] & (offs_c < C)[None, :]
         tl.store(row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :], q, mask=ok)
     if COL:
         s_enc, s_dec = global_scales(tl.load(stats + 2))
+        bad = tl.load(stats + 3)
         if first:
-            bad = tl.load(stats + 3)
             tl.store(decode_ptr + g * 2 + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, COL_SR, BLOCK_C, BLOCK_R)
+        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, bad, COL_SR, BLOCK_C, BLOCK_R)
         offs_p = p0 + tl.arange(0, BLOCK_R)
         p_end = p0 + (r_end - r0 + 15) // 16 * 16
         ok = (offs_p < p_end)[:, None] & (offs_c < C)[None, :]
@@ -180,7 +182,7 @@ def quantize_grouped_grad_operands(
     col: bool = False,
     rht: torch.Tensor | None = None,
     col_stochastic: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(row_values, col_values, decode)`` of ``x`` [R, C] whose rows are ``len(sizes)`` groups.
 
@@ -225,7 +227,7 @@ def quantize_grouped_grad_operands(
     _grouped_grad_qdq_kernel[grid](
         x, x.stride(0), x.stride(1), c, tiles, scale_arg, h, stats, decode,
         row_out if row else stats, col_out if col else stats,
-        seed % 2**31, (seed * 2654435761 + 1013904223) % 2**31,
+        seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
     )  # fmt: skip

@@ -25,6 +25,26 @@ from ._fp import (
 
 
 @triton.jit
+def e2m1_magic(a):
+    """Bits of ``step * 2^23`` for ``a`` in [0, 6]: ``step`` is the E2M1 grid step at ``a``
+    (0.5 below 2, 1 below 4, 2 up to 6), i.e. half the power of two at or below ``max(a, 1)``.
+    ``a + magic`` (float32, round to nearest even) rounds ``a`` to that grid, ties to even."""
+    return (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000) + 0x0B000000
+
+
+@triton.jit
+def e2m1_code_rne(a):
+    """E2M1 magnitude code (int32 0..7) of float32 ``a`` in [0, 6]: nearest, ties to the even
+    code (the contract's rounding). With ``magic`` = :func:`e2m1_magic`, the low bits of
+    ``a + magic`` hold ``round(a / step)`` and the code is that plus 0, 2, 4 for steps 0.5, 1,
+    2, which is ``(magic >> 22) - 298``: about 6 integer/float operations instead of a chain of
+    7 compares and adds."""
+    magic = e2m1_magic(a)
+    rounded = (a + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return rounded - magic + ((magic >> 22) - 298)
+
+
+@triton.jit
 def _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K: tl.constexpr):
     """A float32 tile with NaN/Inf replaced by 0, and a 0/1 mask of the non-finite elements."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -70,19 +90,8 @@ def _quantize_tile(
         propagate_nan=tl.PropagateNan.ALL,
     )
     scaled = tl.reshape(x, [BLOCK_M, NB, 16]) * encode[:, :, None]
-    scaled = tl.clamp(scaled, -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)
-    a = tl.abs(scaled)
-    # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: round to nearest, ties to the even code.
-    code = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
-    code = code | tl.where(scaled < 0, 8, 0)
+    # x is finite and encode in (0, FLT_MAX]: scaled is never NaN, so a plain min clamps it.
+    code = e2m1_code_rne(tl.minimum(tl.abs(scaled), 6.0)) | tl.where(scaled < 0, 8, 0)
     even, odd = tl.split(tl.reshape(code, [BLOCK_M, BLOCK_K // 2, 2]))
     packed = (even | (odd << 4)).to(tl.uint8)
 
@@ -103,7 +112,7 @@ def _quantize_tile(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _quantize_nvfp4_kernel(
     x_ptr,
     stride_xr,
@@ -164,7 +173,80 @@ def _quantize_nvfp4_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
+def _quantize_bf16_rows_kernel(
+    w_ptr,
+    stride_wr,
+    codes_ptr,
+    scales_ptr,
+    decode_ptr,
+    amax_ptr,
+    amax_stride,
+    rows,
+    K,
+    GIVEN_AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """Per-row amax, 1x16 blocks, BF16 input read as int32 words (two elements each, the even
+    one in the low half): the same bytes as ``_quantize_nvfp4_kernel`` with ROW_AMAX and
+    SINGLE_PASS. A tile is [BLOCK_M rows, NB blocks, 8 words]: a block's two halves of 8
+    elements are two threads' vector loads, an element pair gives one code byte without any
+    even/odd split. Non-finite elements are detected per block from the integer max of the
+    magnitudes' bits and zeroed only in tiles that hold one (a scalar branch)."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    offs_b = tl.arange(0, NB)
+    offs_w = tl.arange(0, 8)
+    n_blocks = K // 16
+    blk_ok = row_ok[:, None] & (offs_b < n_blocks)[None, :]
+    mask = blk_ok[:, :, None]
+    row64 = offs_m.to(tl.int64)
+    word = offs_b[None, :, None] * 8 + offs_w[None, None, :]
+    w = tl.load(w_ptr + row64[:, None, None] * stride_wr + word, mask=mask, other=0)
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)
+    # Block max of the magnitudes' bits: integer order is float order, with Inf and NaN on top.
+    bmax_bits = tl.maximum(tl.max(w & 0x7FFF, axis=2) << 16, tl.max(w & 0x7FFF0000, axis=2))
+    bmax = bmax_bits.to(tl.float32, bitcast=True)
+    finite_blk = bmax_bits < 0x7F800000
+    if tl.min(tl.min(finite_blk.to(tl.int32), axis=1), axis=0) == 0:
+        lo = tl.where(tl.abs(lo) < INF, lo, 0.0)
+        hi = tl.where(tl.abs(hi) < INF, hi, 0.0)
+        bmax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+    nonfinite = tl.max((~finite_blk).to(tl.int32), axis=1)
+    if GIVEN_AMAX:
+        amax = tl.load(amax_ptr + offs_m * amax_stride, mask=row_ok, other=1.0)
+    else:
+        amax = tl.max(bmax, axis=1)
+    s_enc, s_dec = global_scales(amax)
+    tl.store(decode_ptr + offs_m, tl.where(nonfinite != 0, nan_like(s_dec), s_dec), mask=row_ok)
+    scale_f32 = tl.minimum(
+        bmax * (s_enc * SIXTH_F32)[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL
+    )
+    scale_code = f32_to_e4m3_rne(scale_f32)
+    block_dec = e4m3_to_f32(scale_code) * s_dec[:, None]
+    encode = tl.minimum(
+        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )[:, :, None]
+    # lo, hi finite and encode in (0, FLT_MAX]: the products are never NaN.
+    p_lo = lo * encode
+    p_hi = hi * encode
+    c_lo = e2m1_code_rne(tl.minimum(tl.abs(p_lo), 6.0)) | tl.where(p_lo < 0, 8, 0)
+    c_hi = e2m1_code_rne(tl.minimum(tl.abs(p_hi), 6.0)) | tl.where(p_hi < 0, 8, 0)
+    packed = (c_lo | (c_hi << 4)).to(tl.uint8)
+    tl.store(codes_ptr + row64[:, None, None] * (K // 2) + word, packed, mask=mask)
+    tl.store(
+        scales_ptr + row64[:, None] * n_blocks + offs_b[None, :],
+        scale_code.to(tl.uint8),
+        mask=blk_ok,
+    )
+
+
+@triton.jit(do_not_specialize=["rows"])
 def _absmax_kernel(
     x_ptr,
     stride_xr,
@@ -192,7 +274,23 @@ def _absmax_kernel(
 
 
 _SINGLE_PASS_MAX_K = 16384
+
+
+def _bf16_words(x: torch.Tensor) -> bool:
+    """Whether BF16 ``x`` [rows, K] can be read as int32 words of two elements (row-contiguous,
+    even row stride and offset), which :func:`_quantize_bf16_rows_kernel` needs."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and x.stride(0) % 2 == 0
+        and x.storage_offset() % 2 == 0
+    )
+
+
 _TILE_ELEMENTS = 8192
+#: Elements per program of the BF16 word-pair kernel (64 per thread: the per-program reductions
+#: and scale arithmetic are spread over twice the elements of the generic kernel's tile).
+_WORD_TILE_ELEMENTS = 16384
 _ONE_ROW_PROGRAMS = 256
 
 
@@ -237,6 +335,16 @@ def quantize_nvfp4_triton(
         if not given:
             amax_arg = parts.amax()
         single = False
+    elif k <= _SINGLE_PASS_MAX_K and not block_2d and _bf16_words(x):
+        block_k = triton.next_power_of_2(k)
+        block_m = 1 if rows <= _ONE_ROW_PROGRAMS else max(1, _WORD_TILE_ELEMENTS // block_k)
+        _quantize_bf16_rows_kernel[(triton.cdiv(rows, block_m),)](
+            x.view(torch.int32), x.stride(0) // 2, codes, scales, decode, amax_arg, amax_stride,
+            rows, k,
+            GIVEN_AMAX=given, BLOCK_M=block_m, NB=block_k // 16, num_warps=8,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        return codes, scales.view(torch.float8_e4m3fn), decode
     elif k <= _SINGLE_PASS_MAX_K and not block_2d:
         block_k = triton.next_power_of_2(k)
         # a few rows (decode steps): one row per program, so that they run side by side

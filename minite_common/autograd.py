@@ -121,6 +121,18 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     return torch.mm(a.float(), b.float(), out=out)
 
 
+def stochastic_rounding_seed(device: torch.device) -> torch.Tensor:
+    """The seed of one backward's stochastic rounding on Hopper: int64 [1] in [0, 2^30) drawn
+    from ``device``'s torch generator, on the device (no host synchronization).
+
+    That generator is the CUDA RNG state Megatron checkpoints and restores (``cuda_rng_state``,
+    or the active ``get_cuda_rng_tracker()`` fork's state, also checkpointed), and it advances in
+    the fixed order of the backward's linears: a run resumed from a checkpoint draws the seeds
+    it would have drawn without the interruption. (The host generator used before also feeds
+    the data loader and anything else on the host, so its sequence was not reproducible.)"""
+    return torch.randint(0, 2**30, (1,), dtype=torch.int64, device=device)
+
+
 def hopper_grad_operands(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -141,7 +153,7 @@ def hopper_grad_operands(
     import minite_kernels
 
     stochastic = recipe.grad_stochastic_rounding
-    seed = int(torch.randint(0, 2**30, (1,)).item()) if stochastic else 0
+    seed = stochastic_rounding_seed(grad_out.device) if stochastic else 0
     g_row, g_col, g_dec = minite_kernels.quantize_grad_operands(
         grad_out,
         row=need_dx,

@@ -173,7 +173,7 @@ def _hopper_backward(
     groups, dev = len(sizes), x.device
     tokens, n, k = x.shape[0], w_q.rows // groups, x.shape[1]
     stochastic = recipe.grad_stochastic_rounding
-    seed = int(torch.randint(0, 2**30, (1,)).item()) if stochastic else 0
+    seed = _autograd.stochastic_rounding_seed(grad_out.device) if stochastic else 0
     key = tuple(sizes)
     g_row, g_col, g_dec = quantize_grouped_grad_operands(
         grad_out,

@@ -19,7 +19,15 @@ import torch
 
 from minite_common.hadamard import rht_matrix
 
-CHECKS = ["row_nearest", "col_rht_exact", "col_rht_random", "stochastic", "nonfinite", "backward"]
+CHECKS = [
+    "row_nearest",
+    "col_rht_exact",
+    "col_rht_random",
+    "stochastic",
+    "stochastic_bits",
+    "nonfinite",
+    "backward",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -140,6 +148,35 @@ def check_stochastic() -> None:
     assert abs(spread_ours / spread_torch - 1) < 0.1, (spread_ours, spread_torch)
 
 
+def check_stochastic_bits() -> None:
+    """Row and col operands with stochastic rounding and a fixed seed, bitwise against a torch
+    model of the rule the kernels shipped with (``e2m1_reference.stochastic_row_values``); the
+    seed as a Python int and as a tensor give the same bytes."""
+    from e2m1_reference import seeds, stochastic_row_values
+    from minite_kernels.nvfp4_grad import quantize_grad_operands
+
+    x = _heavy(40, 48, 5).float()
+    x[0, :3] = torch.tensor([-0.0, 1e-30, -1e-30])
+    r, c = x.shape
+    for seed in (0, 7, 2**31 + 12345):
+        row, col, dec = quantize_grad_operands(
+            x, row=True, row_stochastic=True, col=True, col_stochastic=True, seed=seed
+        )
+        seed_row, seed_col = seeds(seed)
+        index = torch.arange(r)[:, None] * c + torch.arange(c)[None, :]
+        want = stochastic_row_values(x, seed_row, index)
+        assert torch.equal(row.view(torch.int16), want.view(torch.int16))
+        pad = torch.nn.functional.pad(x.t(), (0, -r % 16)).contiguous()  # [C, R16]
+        index_t = torch.arange(pad.shape[1])[None, :] * c + torch.arange(c)[:, None]
+        want = stochastic_row_values(pad, seed_col, index_t).t()
+        assert torch.equal(col.view(torch.int16), want.view(torch.int16))
+        as_tensor = quantize_grad_operands(
+            x, row=True, row_stochastic=True, col=True, col_stochastic=True,
+            seed=torch.tensor([seed % 2**31]),
+        )  # fmt: skip
+        assert torch.equal(as_tensor[0], row) and torch.equal(as_tensor[1], col)
+
+
 def check_nonfinite() -> None:
     from minite_kernels.nvfp4_grad import quantize_grad_operands
 
@@ -186,6 +223,16 @@ def check_backward() -> None:
     assert float((dx - ag.nvfp4_dgrad(g_b, w_q, recipe)).norm() / ref_dx.norm()) < 1e-6
     ref_dw = ag.nvfp4_wgrad(g_b, x_b, recipe)
     assert float((dw - ref_dw).norm() / ref_dw.norm()) < 1e-2
+    # Stochastic rounding: the seed comes from the device's generator (state that Megatron
+    # checkpoints), so restoring that state repeats the backward bit for bit.
+    sr = NVFP4Recipe()
+    state = torch.get_rng_state()
+    first = ag._hopper_backward(g_b, x_b, w_q, sr, True, True, torch.float32, torch.float32)
+    second = ag._hopper_backward(g_b, x_b, w_q, sr, True, True, torch.float32, torch.float32)
+    assert not torch.equal(first[0], second[0])
+    torch.set_rng_state(state)
+    again = ag._hopper_backward(g_b, x_b, w_q, sr, True, True, torch.float32, torch.float32)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import torch
 CHECKS = [
     "quantize",
     "quantize_two_pass",
+    "quantize_bf16_words",
+    "e2m1_rounding",
     "decode_operand",
     "gemm",
     "split_k",
@@ -130,6 +132,81 @@ def _check_quantize() -> None:
     ref = quantize_nvfp4(x, global_amax=rows_amax)
     _assert_same_bytes(*quantize_nvfp4_triton(x, amax="row", block_2d=False,
                                               global_amax=rows_amax), ref)  # fmt: skip
+
+
+def _check_quantize_bf16_words() -> None:
+    """The BF16 per-row kernel (int32 words, ``_quantize_bf16_rows_kernel``) against the torch
+    reference: one-row and multi-row tiles, K not a power of two, given row amax, NaN/Inf/-0 and
+    ties of the E2M1 grid, and views it must decline (odd offset or stride: generic kernel)."""
+    import minite_kernels.nvfp4_quantize as q
+
+    from minite_common import quantize_nvfp4
+
+    launched = []
+    kernel = q._quantize_bf16_rows_kernel
+    q._quantize_bf16_rows_kernel = _Spy(kernel, launched)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) / 6.0
+    for seed, (rows, k) in enumerate([(1, 16), (7, 272), (300, 48)]):
+        x = _inputs(rows, k, seed, torch.bfloat16)
+        x[0, :8] = (ties * x[0, 8:].float().abs().max()).to(torch.bfloat16)  # near-ties
+        x[-1, -2:] = torch.tensor([-0.0, -1e-38])
+        ref = quantize_nvfp4(x, amax="row")
+        _assert_same_bytes(*q.quantize_nvfp4_triton(x, amax="row", block_2d=False), ref)
+        finite = x.float().nan_to_num(0.0, 0.0, 0.0).abs().amax(1)
+        for g in (finite * 0.3, finite * 1e6, torch.zeros(rows)):
+            ref = quantize_nvfp4(x, global_amax=g)
+            got = q.quantize_nvfp4_triton(x, amax="row", block_2d=False, global_amax=g)
+            _assert_same_bytes(*got, ref)
+    assert len(launched) == 12, len(launched)
+    x = _inputs(5, 96, 3, torch.bfloat16)
+    odd, even = torch.zeros(5, 97, dtype=torch.bfloat16), torch.zeros(5, 98, dtype=torch.bfloat16)
+    odd[:, :96], odd[:, 1:], even[:, :96] = x, x, x
+    # odd row stride and odd offset: the generic kernel; an even row stride: words (49 per row)
+    for view, words in ((odd[:, :96], False), (odd[:, 1:], False), (even[:, :96], True)):
+        ref = quantize_nvfp4(view, amax="row")
+        before = len(launched)
+        _assert_same_bytes(*q.quantize_nvfp4_triton(view, amax="row", block_2d=False), ref)
+        assert len(launched) - before == words
+
+
+class _Spy:
+    """A Triton kernel stand-in that records its launches and forwards them."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
+def _check_e2m1_rounding() -> None:
+    """The integer/magic-number E2M1 rounding (``e2m1_code_rne``, ``e2m1_round_nearest``,
+    ``e2m1_round_stochastic``) against the formulas they replaced (kept here as the reference),
+    bitwise, on every BF16 value in [0, 6], random float32, the grid's ties and their float32
+    neighbours, subnormals, and uniforms at 0, 1 - 2^-24 and exactly at the fractions."""
+    import triton
+    from e2m1_reference import rounding_kernel
+
+    g = torch.Generator().manual_seed(0)
+    bf16 = torch.arange(0, 0x40C1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5,
+                         3.5, 5.0])  # fmt: skip
+    near = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])
+    tiny = torch.tensor([1e-45, 1e-40, 1.2e-38, 1e-30])
+    a = torch.cat([bf16[bf16 <= 6.0], torch.rand(40000, generator=g) * 6, near, tiny])
+    a = a.clamp(0.0, 6.0).contiguous()
+    u = (torch.randint(0, 2**24, a.shape, generator=g).float() * 2.0**-24).contiguous()
+    u[:3] = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])
+    steps = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    frac = a / steps - torch.floor(a / steps)
+    u[-len(near) :] = frac[-len(near) :]  # u exactly at the fraction: the lower neighbour
+    out = torch.empty(a.numel(), 6, dtype=torch.int32)
+    rounding_kernel[(triton.cdiv(a.numel(), 4096),)](a, u, out, a.numel(), BLOCK=4096)
+    for old, new, what in ((0, 1, "code"), (2, 3, "nearest"), (4, 5, "stochastic")):
+        bad = (out[:, old] != out[:, new]).nonzero()
+        assert bad.numel() == 0, f"{what}: a={a[bad[:5, 0]].tolist()} u={u[bad[:5, 0]].tolist()}"
+    assert (out[:, 4] != out[:, 2]).any()  # the stochastic draws do move values
 
 
 def _check_quantize_two_pass() -> None:

@@ -1,0 +1,138 @@
+"""GPU tests of the faster quantize kernels (issue 15), run on the H200: the BF16 word-pair
+activation kernel bitwise equal to the generic kernel and to the CPU reference; the gradient
+operands' stochastic rounding bitwise equal to the torch model of the shipped rule (fixed seed,
+seed as int or device tensor); no recompilation when row counts change; stochastic-rounding
+seeds reproducible from the CUDA generator's state."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: e2m1_reference
+
+
+def _bf16_inputs(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** (torch.rand(rows, k // 16, 1, generator=g) * 8 - 4)
+    x = torch.randn(rows, k // 16, 16, generator=g) * magnitude
+    x = x.view(rows, k)
+    x[torch.rand(rows, k, generator=g) < 0.02] = 0.0
+    if rows > 4:
+        x[1, 3], x[3, -1], x[4, 0] = float("nan"), float("inf"), -0.0
+        x[2] = 0.0
+    return x.to(torch.bfloat16)
+
+
+def _same(got, ref) -> bool:
+    codes, scales, decode = got
+    return (
+        torch.equal(codes.cpu(), ref.codes)
+        and torch.equal(scales.view(torch.uint8).cpu(), ref.scales.view(torch.uint8))
+        and torch.equal(decode.cpu().nan_to_num(), ref.decode_scale.nan_to_num())
+        and torch.equal(decode.cpu().isnan(), ref.decode_scale.isnan())
+    )
+
+
+@pytest.mark.parametrize("rows,k", [(1, 4096), (17, 272), (300, 6144), (4096, 2048)])
+def test_bf16_word_kernel_equals_generic_kernel_and_cpu(rows, k, monkeypatch):
+    import minite_kernels.nvfp4_quantize as q
+
+    from minite_common import quantize_nvfp4
+
+    x = _bf16_inputs(rows, k, rows + k)
+    ref = quantize_nvfp4(x, amax="row")
+    words = q.quantize_nvfp4_triton(x.cuda(), amax="row", block_2d=False)
+    assert _same(words, ref)
+    given = x.float().nan_to_num(0.0, 0.0, 0.0).abs().amax(1) * 0.5
+    ref_given = quantize_nvfp4(x, global_amax=given)
+    assert _same(q.quantize_nvfp4_triton(x.cuda(), amax="row", block_2d=False,
+                                         global_amax=given.cuda()), ref_given)  # fmt: skip
+    monkeypatch.setattr(q, "_bf16_words", lambda _: False)
+    generic = q.quantize_nvfp4_triton(x.cuda(), amax="row", block_2d=False)
+    for a, b in zip(words, generic, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", [0, 12345, 2**31 + 7])
+def test_stochastic_grad_operands_bitwise_the_shipped_rule(seed):
+    from e2m1_reference import seeds, stochastic_row_values
+    from minite_kernels.nvfp4_grad import quantize_grad_operands
+
+    x = _bf16_inputs(1000, 512, 9).float().nan_to_num(0.0, 0.0, 0.0)
+    r, c = x.shape
+    row, col, _ = quantize_grad_operands(
+        x.cuda(), row=True, row_stochastic=True, col=True, col_stochastic=True, seed=seed
+    )
+    seed_row, seed_col = seeds(seed)
+    index = torch.arange(r)[:, None] * c + torch.arange(c)[None, :]
+    want = stochastic_row_values(x, seed_row, index)
+    assert torch.equal(row.cpu().view(torch.int16), want.view(torch.int16))
+    pad = torch.nn.functional.pad(x.t(), (0, -r % 16)).contiguous()
+    index_t = torch.arange(pad.shape[1])[None, :] * c + torch.arange(c)[:, None]
+    want = stochastic_row_values(pad, seed_col, index_t).t()
+    assert torch.equal(col.cpu().view(torch.int16), want.view(torch.int16))
+    as_tensor = quantize_grad_operands(
+        x.cuda(), row=True, row_stochastic=True, col=True, col_stochastic=True,
+        seed=torch.tensor([seed % 2**31], device="cuda"),
+    )  # fmt: skip
+    assert torch.equal(as_tensor[0], row) and torch.equal(as_tensor[1], col)
+
+
+def _compiled(kernel) -> int:
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_no_recompilation_when_row_counts_change():
+    import minite_kernels.nvfp4_grad as g
+    import minite_kernels.nvfp4_quantize as q
+    from minite_kernels.nvfp4_grad import quantize_grad_operands
+
+    def run(rows: int) -> None:
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        q.quantize_nvfp4_triton(x, amax="row", block_2d=False)
+        q.quantize_nvfp4_triton(x, amax="tensor", block_2d=True)
+        quantize_grad_operands(x, row=True, row_stochastic=True, col=True, col_stochastic=True)
+
+    kernels = (
+        q._quantize_bf16_rows_kernel,
+        q._absmax_kernel,
+        q._quantize_nvfp4_kernel,
+        g._grad_amax_kernel,
+        g._grad_qdq_kernel,
+    )
+    run(17)  # one row per program (<= 256 rows)
+    run(300)  # several rows per program
+    before = [_compiled(k) for k in kernels]
+    for rows in (1, 16, 33, 256, 301, 512, 4097):
+        run(rows)
+    assert [_compiled(k) for k in kernels] == before
+
+
+def test_stochastic_rounding_seed_follows_the_cuda_generator():
+    from minite_common import NVFP4Recipe, quantize_weight, w4a4_linear_train
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(384, 512, device="cuda") / 20).to(torch.bfloat16)
+    dy = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    recipe = NVFP4Recipe()
+
+    def grads() -> tuple[torch.Tensor, torch.Tensor]:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        w4a4_linear_train(xi, wi, quantize_weight(w, recipe=recipe), recipe=recipe).backward(dy)
+        return xi.grad, wi.grad
+
+    state = torch.cuda.get_rng_state()
+    first = grads()
+    torch.manual_seed(123)  # host draws (data loaders, ...) do not move the seeds
+    torch.cuda.set_rng_state(state)
+    again = grads()
+    other = grads()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], other[0])
