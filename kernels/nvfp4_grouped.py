@@ -254,6 +254,6 @@ def quantize_stacked_weight(
     _quantize_nvfp4_kernel[(rows // 16,)](
         x, x.stride(0), x.stride(1), codes, scales, decode, amax, 1, codes, rows, k,
         ROW_AMAX=True, GIVEN_AMAX=True, BLOCK_2D=True, SINGLE_PASS=False,
-        BLOCK_M=16, BLOCK_K=512, num_warps=8, enable_fp_fusion=False,
+        BLOCK_M=16, BLOCK_K=512, LAUNCH_DEPENDENTS=False, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     return codes, scales.view(torch.float8_e4m3fn), decode

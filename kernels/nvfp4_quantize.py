@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._fp import (
     FLT_MAX,
@@ -131,9 +132,12 @@ def _quantize_nvfp4_kernel(
     SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Quantize rows [pid*BLOCK_M, +BLOCK_M). ROW_AMAX: amax and non-finite flag per row (from
     the data, or amax given per row); else both are device scalars. SINGLE_PASS: K <= BLOCK_K."""
+    if LAUNCH_DEPENDENTS:  # a GEMM launched as a programmatic dependent may start (it waits)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
@@ -187,6 +191,7 @@ def _quantize_bf16_rows_kernel(
     GIVEN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     NB: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Per-row amax, 1x16 blocks, BF16 input read as int32 words (two elements each, the even
     one in the low half): the same bytes as ``_quantize_nvfp4_kernel`` with ROW_AMAX and
@@ -194,6 +199,8 @@ def _quantize_bf16_rows_kernel(
     elements are two threads' vector loads, an element pair gives one code byte without any
     even/odd split. Non-finite elements are detected per block from the integer max of the
     magnitudes' bits and zeroed only in tiles that hold one (a scalar branch)."""
+    if LAUNCH_DEPENDENTS:  # a GEMM launched as a programmatic dependent may start (it waits)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
@@ -341,8 +348,8 @@ def quantize_nvfp4_triton(
         _quantize_bf16_rows_kernel[(triton.cdiv(rows, block_m),)](
             x.view(torch.int32), x.stride(0) // 2, codes, scales, decode, amax_arg, amax_stride,
             rows, k,
-            GIVEN_AMAX=given, BLOCK_M=block_m, NB=block_k // 16, num_warps=8,
-            enable_fp_fusion=False,
+            GIVEN_AMAX=given, BLOCK_M=block_m, NB=block_k // 16, LAUNCH_DEPENDENTS=x.is_cuda,
+            num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
         return codes, scales.view(torch.float8_e4m3fn), decode
     elif k <= _SINGLE_PASS_MAX_K and not block_2d:
@@ -356,6 +363,7 @@ def quantize_nvfp4_triton(
         x, x.stride(0), x.stride(1), codes, scales, decode, amax_arg, amax_stride, nonfinite,
         rows, k,
         ROW_AMAX=row_amax, GIVEN_AMAX=given and row_amax, BLOCK_2D=block_2d, SINGLE_PASS=single,
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8, enable_fp_fusion=False,
+        BLOCK_M=block_m, BLOCK_K=block_k, LAUNCH_DEPENDENTS=x.is_cuda, num_warps=8,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return codes, scales.view(torch.float8_e4m3fn), decode
