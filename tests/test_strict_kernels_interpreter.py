@@ -67,6 +67,80 @@ def test_paged_attention_reference_rows() -> None:
         ops.paged_attention(q[:3], kc, vc, table, [0, 3], [2], 0.2)
 
 
+def _ptx(fn, sig: dict[str, str], consts: dict[str, int], fusion: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    options = {"enable_fp_fusion": fusion}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_kernels_compile_for_hopper_without_fma() -> None:
+    """Every strict kernel compiled for sm_90 (PTX, ptxas) under the launch options has no fused
+    multiply-add and no approximate division or square root; with fusion on, Triton would fuse."""
+    pytest.importorskip("triton")
+    import re
+
+    from minite_kernels import strict_ops as kern
+
+    b, f, i = "*bf16", "*fp32", "i32"
+    elementwise = {"n": i}
+    kernels = [
+        (kern._residual_add_kernel, {"x_ptr": b, "r_ptr": b, "y_ptr": b, **elementwise},
+         {"BLOCK": 1024}),
+        (kern._silu_mul_kernel, {"g_ptr": b, "u_ptr": b, "y_ptr": b, **elementwise},
+         {"BLOCK": 1024}),
+        (kern._rope_kernel, {"x_ptr": b, "c_ptr": f, "s_ptr": f, "y_ptr": b, "D": i, "HALF": i},
+         {"BLOCK": 64}),
+        (kern._moe_combine_kernel, {"y_ptr": b, "w_ptr": f, "o_ptr": b, "SLOTS": i, "HID": i},
+         {"BLOCK": 1024}),
+        (kern._rms_norm_kernel, {"x_ptr": b, "w_ptr": b, "y_ptr": b, "D": i, "eps": "fp32"},
+         {"P": 4096, "LP": 12}),
+        (kern._softmax_kernel, {"x_ptr": f, "y_ptr": f, "E": i}, {"P": 128, "LP": 7}),
+        (kern._log_softmax_kernel, {"x_ptr": f, "y_ptr": f, "V": i},
+         {"BLOCK": 1024, "S": 1024, "LS": 10, "L": 8}),
+        (kern._linear_kernel, {"x_ptr": b, "w_ptr": b, "y_ptr": f, "M": i, "N": i, "K": i,
+                               "sxm": i, "swn": i},
+         {"BM": 16, "BN": 16, "S": 16, "LS": 4, "L": 8}),
+    ]  # fmt: skip
+    attn = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), b)
+    attn |= {"s_ptr": f, **dict.fromkeys(("tok_ptr", "pos_ptr", "seq_ptr", "len_ptr", "bt_ptr"),
+                                         "*i32")}  # fmt: skip
+    attn |= {"scale": "fp32"} | dict.fromkeys(
+        [
+            "H",
+            "GROUP",
+            "D",
+            "DV",
+            "BS",
+            "bt_stride",
+            "sq_t",
+            "sq_h",
+            "sk_b",
+            "sk_o",
+            "sk_h",
+            "sv_b",
+            "sv_o",
+            "sv_h",
+            "so_t",
+            "so_h",
+        ],
+        i,
+    )
+    for s, levels in ((1, 0), (128, 8)):
+        consts = {"DP": 128, "LDP": 7, "DVP": 128, "BJ": 16, "S": s, "LS": s.bit_length() - 1}
+        kernels.append((kern._attention_kernel, attn, {**consts, "L": levels}))
+    for fn, sig, consts in kernels:
+        ptx = _ptx(fn, sig, consts, fusion=kern.LAUNCH["enable_fp_fusion"])
+        for pattern in (r"\bfma\.", r"\.approx", r"div\.full", r"\.ftz"):
+            assert not re.search(pattern, ptx), (fn.fn.__name__, pattern)
+    fused = _ptx(kernels[1][0], kernels[1][1], kernels[1][2], fusion=True)
+    assert re.search(r"\bfma\.", fused)
+
+
 def test_kernel_forward_keeps_reference_gradients() -> None:
     """The GPU route of the plain-torch ops (a kernel forward, the reference's autograd for the
     backward) gives the reference's gradients; here the "kernel" is the reference itself."""
