@@ -466,8 +466,8 @@ def paged_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """A sampler's step of :func:`causal_attention` (chunked prefill and decode, forward only)
@@ -482,6 +482,10 @@ def paged_attention(
     row of :func:`causal_attention` over that sequence's keys ``0..seq_lens[i]-1``, so the decode
     of the token at position t gives row t of the full-sequence attention.
     """
+    if isinstance(query_start_loc, torch.Tensor):
+        query_start_loc = query_start_loc.tolist()
+    if isinstance(seq_lens, torch.Tensor):
+        seq_lens = seq_lens.tolist()
     starts, lens = [int(s) for s in query_start_loc], [int(n) for n in seq_lens]
     block_size = key_cache.shape[1]
     problems = []

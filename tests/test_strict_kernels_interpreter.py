@@ -63,6 +63,9 @@ def test_paged_attention_reference_rows() -> None:
         torch.cat([q[:5], q[21:22]]), kc, vc, torch.cat([table, table]), [0, 5, 6], [5, 22], 0.2
     )
     assert torch.equal(both, torch.cat([full[:5], full[21:22]]))
+    again = ops.paged_attention(torch.cat([q[:5], q[21:22]]), kc, vc, torch.cat([table, table]),
+                                torch.tensor([0, 5, 6]), torch.tensor([5, 22]), 0.2)  # fmt: skip
+    assert torch.equal(again, both)
     with pytest.raises(ValueError, match="paged_attention"):
         ops.paged_attention(q[:3], kc, vc, table, [0, 3], [2], 0.2)
 
