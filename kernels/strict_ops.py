@@ -444,7 +444,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m and n:
         _, s, levels = _split(k, min_regs=16)
-        bm, bn = 16, 16
+        bm, bn = (16, 16) if m > 8 else (1, 64)  # each element's tree is the same in any tile
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _linear_kernel[grid](
             x2, wc, y, m, n, k, x2.stride(0), wc.stride(0),

@@ -108,6 +108,9 @@ def test_kernels_compile_for_hopper_without_fma() -> None:
         (kern._linear_kernel, {"x_ptr": b, "w_ptr": b, "y_ptr": f, "M": i, "N": i, "K": i,
                                "sxm": i, "swn": i},
          {"BM": 16, "BN": 16, "S": 16, "LS": 4, "L": 8}),
+        (kern._linear_kernel, {"x_ptr": b, "w_ptr": b, "y_ptr": f, "M": i, "N": i, "K": i,
+                               "sxm": i, "swn": i},
+         {"BM": 1, "BN": 64, "S": 16, "LS": 4, "L": 8}),
     ]  # fmt: skip
     attn = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), b)
     attn |= {"s_ptr": f, **dict.fromkeys(("tok_ptr", "pos_ptr", "seq_ptr", "len_ptr", "bt_ptr"),
@@ -248,6 +251,11 @@ def _check_linear() -> None:
         want = ops.linear(x, w, out_dtype=torch.float32)
         assert _bits_equal(kern.linear(x, w), want), (k, n)
         assert _bits_equal(kern.linear(x[3:4], w), want[3:4])  # batch 1 vs batch 7
+    x = torch.randn(20, 300, generator=g).to(torch.bfloat16)  # 16 x 16 tiles (M > 8)
+    w = torch.randn(40, 300, generator=g).to(torch.bfloat16)
+    want = ops.linear(x, w, out_dtype=torch.float32)
+    assert _bits_equal(kern.linear(x, w), want)
+    assert _bits_equal(kern.linear(x[17:18], w), want[17:18])
     x = torch.randn(3, 50, generator=g)  # float32 operands
     w = torch.randn(20, 50, generator=g)
     assert _bits_equal(kern.linear(x, w), ops.linear(x, w))
