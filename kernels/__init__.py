@@ -23,6 +23,7 @@ __all__ = [
     "nvfp4_gemm_partials",
     "quantize_grad_operands",
     "quantize_nvfp4",
+    "strict_kernels",
 ]
 
 
@@ -101,3 +102,10 @@ def decoded_weight(w) -> torch.Tensor:
     from .nvfp4_grad import decoded_weight as impl
 
     return impl(w)
+
+
+def strict_kernels():
+    """The strict-mode kernels (module ``strict_ops``: Triton twins of ``minite_common.ops``)."""
+    from . import strict_ops
+
+    return strict_ops

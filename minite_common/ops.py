@@ -22,6 +22,11 @@ count, or the other rows. Two rules make that hold by construction:
   decode step that attends to t keys and a prefill row that sees the same t keys followed by
   masked ones give the same bits.
 
+On CUDA tensors the same functions run Triton kernels (``minite_kernels.strict_ops``) that
+evaluate these formulas operation for operation (same trees, same float64 polynomials, launched
+without FMA contraction), so a GPU gives the CPU's bits; ``MINITE_BACKEND=torch`` keeps the torch
+code below on the GPU too (also exact, slower). See ``docs/strict.md``, section GPU.
+
 No multiply-add is ever fused (separate torch ops in eager mode); compiling these functions with
 ``torch.compile`` could fuse them and is not supported. Nothing here calls a BLAS / oneDNN GEMM,
 a torch reduction (``sum``, ``softmax``, ``norm``) or a torch transcendental (``exp``, ``log``),
@@ -35,9 +40,12 @@ arithmetic), so a strict learner step also gives the same bits on every CPU.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from minite_kernels.dispatch import BACKEND_ENV
 
 #: Largest product tensor (elements) one chunk of :func:`linear` / :func:`causal_attention` builds.
 CHUNK_ELEMENTS = 1 << 22
@@ -58,6 +66,45 @@ _PIO2_3 = 2.02226624871116645580e-21
 _PIO2_3T = 8.47842766036889956997e-32
 _SIN_COEFFS = tuple((-1.0) ** n / math.factorial(2 * n + 1) for n in range(11))
 _COS_COEFFS = tuple((-1.0) ** n / math.factorial(2 * n) for n in range(12))
+
+
+def _triton(x: torch.Tensor) -> bool:
+    """Whether ``x``'s op runs the Triton kernels: CUDA tensors, unless ``MINITE_BACKEND=torch``."""
+    return x.is_cuda and os.environ.get(BACKEND_ENV, "").strip().lower() != "torch"
+
+
+def _kernels():
+    from minite_kernels import strict_kernels
+
+    return strict_kernels()
+
+
+class _Recompute(torch.autograd.Function):
+    """Forward by a Triton kernel, backward by autograd of the torch reference (recomputed), for
+    the ops whose reference is plain differentiable torch code: the same gradients as on CPU."""
+
+    @staticmethod
+    def forward(ctx, fast, ref, *inputs):  # type: ignore[override]
+        ctx.ref = ref
+        ctx.save_for_backward(*inputs)
+        return fast(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        needs = ctx.needs_input_grad[2:]
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(saved, needs, strict=True)]
+        with torch.enable_grad():
+            out = ctx.ref(*inputs)
+        wanted = [t for t, n in zip(inputs, needs, strict=True) if n]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (None, None, *(next(grads) if n else None for n in needs))
+
+
+def _dispatch(fast: Callable, ref: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    if any(t.requires_grad for t in inputs) and torch.is_grad_enabled():
+        return _Recompute.apply(fast, ref, *inputs)
+    return fast(*inputs)
 
 
 # -- reductions and elementary functions ---------------------------------------------------------
@@ -171,9 +218,15 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 # -- norms, residuals, activations ---------------------------------------------------------------
 
 
+def _residual_add_ref(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return (x.float() + residual.float()).to(x.dtype)
+
+
 def residual_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``x + residual`` in float32, rounded once to ``x``'s dtype."""
-    return (x.float() + residual.float()).to(x.dtype)
+    if _triton(x) and x.shape == residual.shape:
+        return _dispatch(_kernels().residual_add, _residual_add_ref, x, residual)
+    return _residual_add_ref(x, residual)
 
 
 def _rms_inv(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -186,6 +239,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        if _triton(x):
+            return _kernels().rms_norm(x.detach(), weight.detach(), eps)
         xf = x.detach().float()
         return ((xf * _rms_inv(xf, eps).unsqueeze(-1)) * weight.detach().float()).to(x.dtype)
 
@@ -220,10 +275,16 @@ def add_rms_norm(
     return rms_norm(r, weight, eps), r
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up``: ``dtype(f32(g / f32(1 + exp(-g))) * u)`` in float32."""
+def _silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     return ((g / (exp(-g) + 1.0)) * up.float()).to(gate.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``: ``dtype(f32(g / f32(1 + exp(-g))) * u)`` in float32."""
+    if _triton(gate):
+        return _dispatch(_kernels().silu_mul, _silu_mul_ref, gate, up)
+    return _silu_mul_ref(gate, up)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -254,6 +315,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the first ``2*cos.shape[-1]`` features of ``x`` (half-split / NeoX layout), in
     ``x``'s dtype: ``[x1*c - x2*s, x2*c + x1*s]`` in float32, rounded once; the rest passes.
     ``cos``/``sin`` broadcast against ``x[..., :half]``."""
+    if _triton(x):
+        return _dispatch(_kernels().apply_rope, _apply_rope_ref, x, cos, sin)
+    return _apply_rope_ref(x, cos, sin)
+
+
+def _apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     xf = x[..., : 2 * half].float()
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -354,6 +421,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_positions, scale):  # type: ignore[override]
         ctx.save_for_backward(q, k, v, q_positions)
         ctx.scale = scale
+        if _triton(q):
+            return _kernels().causal_attention(q.detach(), k.detach(), v.detach(), q_positions,
+                                               scale)  # fmt: skip
         return _attention_forward(q.detach(), k.detach(), v.detach(), q_positions, scale)
 
     @staticmethod
@@ -391,10 +461,75 @@ def causal_attention(
     return _Attention.apply(q, k, v, q_positions, float(scale))
 
 
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A sampler's step of :func:`causal_attention` (chunked prefill and decode, forward only)
+    over a paged KV cache, for a batch of sequences.
+
+    Sequence ``i`` has ``seq_lens[i]`` tokens, the last ``n_i`` of which are its queries, rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` of ``q`` [T, H, D] (a decode step: ``n_i = 1``).
+    Its key and value of position ``p`` are ``key_cache[b, p % block_size]`` and
+    ``value_cache[b, p % block_size]`` with ``b = block_table[i, p // block_size]``; the caches
+    are [blocks, block_size, Hk, D] and [blocks, block_size, Hk, Dv] (strided views allowed, e.g.
+    of a [blocks, Hk, block_size, D] layout). Row ``r`` of the output [T, H, Dv] is bitwise the
+    row of :func:`causal_attention` over that sequence's keys ``0..seq_lens[i]-1``, so the decode
+    of the token at position t gives row t of the full-sequence attention.
+    """
+    if isinstance(query_start_loc, torch.Tensor):
+        query_start_loc = query_start_loc.tolist()
+    if isinstance(seq_lens, torch.Tensor):
+        seq_lens = seq_lens.tolist()
+    starts, lens = [int(s) for s in query_start_loc], [int(n) for n in seq_lens]
+    block_size = key_cache.shape[1]
+    problems = []
+    if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
+        problems.append("q must be [T, H, D] and the caches [blocks, block_size, Hk, D]")
+    elif q.shape[1] % key_cache.shape[2] or key_cache.shape[:3] != value_cache.shape[:3]:
+        problems.append("q's heads must be a multiple of the caches' (equal) KV heads")
+    if len(starts) != len(lens) + 1 or (starts and (starts[0] != 0 or starts[-1] != q.shape[0])):
+        problems.append("query_start_loc must run from 0 to T with one more entry than seq_lens")
+    for i, n in enumerate(lens):
+        count = starts[i + 1] - starts[i] if i + 1 < len(starts) else 0
+        if not 0 <= count <= n or -(-n // block_size) > block_table.shape[-1]:
+            problems.append(f"sequence {i}: {count} queries, {n} tokens, block table too short")
+    if problems:
+        raise ValueError("paged_attention: " + "; ".join(problems[:3]))
+    if _triton(q):
+        counts = [starts[i + 1] - starts[i] for i in range(len(lens))]
+        seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts))
+        positions = [torch.arange(n - c, n) for n, c in zip(lens, counts, strict=True)]
+        positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        return _kernels().paged_attention(
+            q, key_cache, value_cache, block_table, seq_ids, positions, lens, float(scale)
+        )
+    out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[-1])
+    for i, length in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        pos = torch.arange(length, device=q.device)
+        block = block_table[i, pos // block_size].long()
+        offset = pos % block_size
+        out[start:end] = causal_attention(
+            q[start:end], key_cache[block, offset], value_cache[block, offset],
+            pos[length - (end - start) :], scale,
+        )  # fmt: skip
+    return out
+
+
 # -- BF16 GEMMs (LM head, MoE router) ------------------------------------------------------------
 
 
 def _linear_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        return _kernels().linear(x, w)
     x2 = x.reshape(-1, x.shape[-1])
     rows_out, k = w.shape
     wf = w.float()
@@ -450,9 +585,12 @@ def linear(
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        xf = x.detach().float()
-        e = exp(xf - xf.amax(dim=-1, keepdim=True))
-        p = e / fixed_sum(e).unsqueeze(-1)
+        if _triton(x):
+            p = _kernels().softmax(x.detach())
+        else:
+            xf = x.detach().float()
+            e = exp(xf - xf.amax(dim=-1, keepdim=True))
+            p = e / fixed_sum(e).unsqueeze(-1)
         ctx.save_for_backward(p)
         return p
 
@@ -487,6 +625,8 @@ def topk_routing(
 
 
 def _moe_combine_forward(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    if _triton(expert_out):
+        return _kernels().moe_combine(expert_out, weights)
     acc = torch.zeros(
         expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device
     )
@@ -520,6 +660,8 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 
 
 def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        return _kernels().log_softmax(x)
     xf = x.float()
     m = xf.amax(dim=-1, keepdim=True)  # exact in any order
     s = xf.double() - m.double()
