@@ -329,8 +329,9 @@ def test_strict_switch_is_a_fingerprinted_recipe_field():
 
 
 def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import AttentionConfig, CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.config.compilation import CompilationMode
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -342,10 +343,11 @@ def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
     with set_current_vllm_config(VllmConfig(quant_config=MiniteConfig(DEFAULT_RECIPE))):
         norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
         assert not norm.minite_strict and not act.minite_strict
-        assert norm._forward_method.__name__ != "forward_strict"
-        assert torch.equal(norm(x), norm.forward_native(x))
+        assert torch.equal(norm(x), RMSNorm.forward_native(norm, x))  # vLLM's own formula
     eager = CompilationConfig(mode=CompilationMode.NONE)
-    config = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager)
+    custom = AttentionConfig(backend=AttentionBackendEnum.CUSTOM)
+    config = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager,
+                        attention_config=custom)  # fmt: skip
     with set_current_vllm_config(config):
         norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
         assert norm.minite_strict and act.minite_strict
@@ -353,6 +355,8 @@ def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
         for a, b in zip(norm(x, r), ops.add_rms_norm(x, r, norm.weight, 1e-6), strict=True):
             assert torch.equal(a, b)
         assert torch.equal(act(torch.cat([x, r], -1)), ops.silu_mul(x, r))
+        for forward in (norm.forward_native, norm.forward_cpu, norm.forward_cuda):  # public
+            assert torch.equal(forward(x), ops.rms_norm(x, norm.weight, 1e-6))
     compiled = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE))
     with set_current_vllm_config(compiled), pytest.raises(ValueError, match="enforce_eager"):
         RMSNorm(64)
@@ -370,6 +374,7 @@ class StrictRun:
     learner_logprobs: list[torch.Tensor]
     updated_rollouts: Rollouts  # sampled after one learner step and a weight sync
     updated_learner_logprobs: list[torch.Tensor]
+    attention_backends: dict[str, str]  # layer name -> the backend class vLLM chose
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -386,6 +391,7 @@ def strict_run(request, tiny_dense_dir, tiny_moe_dir):
     llm = start_sampler(model_dir, recipe=STRICT_RECIPE, max_model_len=256)
     try:
         learner = build_learner(model_dir, nvfp4=True, recipe=STRICT_RECIPE)
+        backends = llm.collective_rpc("get_attention_backends")[0]
         llm.collective_rpc("start_capture")
         llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(max_tokens=1),
                      use_tqdm=False)  # fmt: skip
@@ -405,7 +411,19 @@ def strict_run(request, tiny_dense_dir, tiny_moe_dir):
     finally:
         stop_sampler(llm)
     yield StrictRun(request.param, sampler_capture, learner_capture, rollouts, scores, updated,
-                    updated_scores)  # fmt: skip
+                    updated_scores, backends)  # fmt: skip
+
+
+def test_strict_engine_runs_minites_registered_attention_backend(strict_run):
+    """vLLM itself chose miniTE's backend for every attention layer: the one registered in its
+    attention-backend registry's CUSTOM slot, selected by the public attention-backend setting."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from minite_vllm.strict_attention import STRICT_BACKEND_PATH, StrictAttentionBackend
+
+    assert AttentionBackendEnum.CUSTOM.get_class() is StrictAttentionBackend
+    assert len(strict_run.attention_backends) == 2  # both layers of the tiny model
+    assert set(strict_run.attention_backends.values()) == {STRICT_BACKEND_PATH}
 
 
 def test_strict_layer_captures_are_bitwise_equal(strict_run):
