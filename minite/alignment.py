@@ -110,8 +110,9 @@ def start_sampler(
     **kwargs: Any,
 ):
     """A vLLM ``LLM`` on ``model_dir`` (``quantization="minite"`` when ``nvfp4``, with ``recipe``
-    when given, e.g. a strict one) with miniTE's worker extension, so weight updates, captures and
-    fingerprints are available."""
+    when given; a strict one also selects miniTE's strict attention backend,
+    ``attention_backend="CUSTOM"``) with miniTE's worker extension, so weight updates, captures
+    and fingerprints are available."""
     configure_cpu_engines()
     from vllm import LLM
 
@@ -122,6 +123,8 @@ def start_sampler(
     args = dict(VLLM_CPU_KWARGS, seed=seed, worker_extension_cls=WORKER_EXTENSION, **kwargs)
     if nvfp4:
         args["quantization"] = "minite"
+    if recipe is not None and recipe.strict_ops:
+        args.setdefault("attention_backend", "CUSTOM")
     with recipe_env(recipe):
         return LLM(str(model_dir), **args)
 

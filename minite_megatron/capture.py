@@ -21,6 +21,7 @@ from .hf import weight_bindings
 from .linear import NVFP4LinearMixin
 from .model import token_logprobs
 from .spec import DEBUG_ENGINE
+from .strict import StrictDotProductAttention
 
 
 def hf_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, dict[str, slice]]]:
@@ -78,7 +79,10 @@ def _attention_hooks(layer: torch.nn.Module, keep: Callable[[str, torch.Tensor],
         for part, t in zip(("query", "key", "value"), args[:3], strict=False):
             keep(f"{prefix}.attn.{part}:input", tokens(t))
 
-    handles.append(attn.core_attention.register_forward_pre_hook(core_hook))
+    core = attn.core_attention
+    if isinstance(core, StrictDotProductAttention):  # its inputs are not rotated yet
+        core = core.attention
+    handles.append(core.register_forward_pre_hook(core_hook))
     return handles
 
 

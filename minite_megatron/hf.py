@@ -130,12 +130,14 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerC
     return TransformerConfig(**fields)
 
 
-def gpt_model_kwargs_from_hf(hf_config: Any) -> dict[str, Any]:
-    """``GPTModel`` keyword arguments (vocabulary, positions, RoPE, tying) of a HF config."""
+def gpt_model_kwargs_from_hf(hf_config: Any, *, strict: bool = False) -> dict[str, Any]:
+    """``GPTModel`` keyword arguments (vocabulary, positions, RoPE, tying) of a HF config;
+    ``strict``: no position embedding of Megatron's own (a strict spec's attention core applies
+    the rotary embedding, with ``rotary_base``)."""
     return dict(
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="none" if strict else "rope",
         rotary_percent=1.0,
         rotary_base=_rope_theta(hf_config),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),

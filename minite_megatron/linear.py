@@ -254,7 +254,7 @@ class MiniTERowParallelLinear(NVFP4LinearMixin, RowParallelLinear):
     bitwise (see ``docs/megatron.md``). Expert linears (``explicit_expert_comm``), whose sum the
     token dispatcher does, then hand the whole output to tensor-parallel rank 0 and ``-0.0`` to
     the others (the dispatcher's sum then gives it bitwise) unless ``output_is_final`` (set by
-    :class:`~minite_megatron.strict.StrictMoELayer`, which reduces nothing).
+    :class:`~minite_megatron.engine_patches.StrictMoELayer`, which reduces nothing).
     """
 
     output_is_final = False

@@ -92,13 +92,20 @@ def build_gpt_model_from_hf(
             raise ValueError("strict mode (recipe.strict_ops) builds the miniTE spec: nvfp4=True")
         config_overrides.setdefault("use_te_activation_func", True)
     config = transformer_config_from_hf(hf_config, **config_overrides)
+    kwargs = gpt_model_kwargs_from_hf(hf_config, strict=nvfp4 and recipe.strict_ops)
     if nvfp4:
-        spec = get_gpt_decoder_block_minite_spec(config, recipe, grouped_experts=grouped_experts)
+        spec = get_gpt_decoder_block_minite_spec(
+            config,
+            recipe,
+            grouped_experts=grouped_experts,
+            rotary_base=kwargs["rotary_base"],
+            rotary_percent=kwargs["rotary_percent"],
+        )
     else:
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=config.normalization
         )
-    model = GPTModel(config, spec, **gpt_model_kwargs_from_hf(hf_config))
+    model = GPTModel(config, spec, **kwargs)
     model.to(dtype=config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -131,6 +131,8 @@ def get_gpt_layer_minite_spec(
     layer_index: int | None = None,
     num_layers: int | None = None,
     grouped_experts: bool = False,
+    rotary_base: float | None = None,
+    rotary_percent: float = 1.0,
 ) -> ModuleSpec:
     """One GPT layer spec (dense, or MoE if ``num_experts``) with NVFP4 linears.
 
@@ -140,6 +142,8 @@ def get_gpt_layer_minite_spec(
     :func:`get_gpt_decoder_block_minite_spec` otherwise). ``qk_layernorm`` must match
     ``TransformerConfig.qk_layernorm``. ``grouped_experts`` runs NVFP4 experts through
     :class:`~minite_megatron.experts.MiniTEGroupedMLP` instead of ``SequentialMLP``.
+    ``rotary_base`` / ``rotary_percent``: the rotary embedding, which a strict recipe's attention
+    core applies (:func:`strict_rotary`).
     """
     check_recipe_supported(recipe, moe=num_experts is not None)
     if layer_index is None and (
@@ -169,7 +173,21 @@ def get_gpt_layer_minite_spec(
     spec = _rewrite(base, decide, recipe)
     if grouped_experts:
         spec = use_grouped_experts(spec)
-    return make_strict_spec(spec) if recipe.strict_ops else spec
+    if recipe.strict_ops:
+        return make_strict_spec(spec, strict_rotary(rotary_base), rotary_percent)
+    return spec
+
+
+def strict_rotary(rotary_base: float | None) -> float:
+    """``rotary_base``, which a strict spec needs: its attention core applies the rotary
+    embedding, so the ``GPTModel`` is built with ``position_embedding_type="none"``."""
+    if rotary_base is None:
+        raise ValueError(
+            "miniTE strict mode applies the rotary embedding in the attention core: pass "
+            "rotary_base=<the model's RoPE theta> to the spec function and build the GPTModel "
+            "with position_embedding_type='none'"
+        )
+    return float(rotary_base)
 
 
 def check_spec_config(config: TransformerConfig) -> None:
@@ -198,12 +216,16 @@ def get_gpt_decoder_block_minite_spec(
     *,
     vp_stage: int | None = None,
     grouped_experts: bool = False,
+    rotary_base: float | None = None,
+    rotary_percent: float = 1.0,
 ) -> TransformerBlockSubmodules:
     """The model-provider switch: ``GPTModel(config, get_gpt_decoder_block_minite_spec(config),
     ...)`` builds this pipeline stage's layers with NVFP4 linears, each layer as the recipe says
     (dense/MoE pattern from ``config.moe_layer_freq``, BF16 first/last layers). An active
     debug configuration (``MINITE_DEBUG_CONFIG``) adds its BF16 layers to the recipe.
     ``grouped_experts``: NVFP4 experts in :class:`~minite_megatron.experts.MiniTEGroupedMLP`.
+    ``rotary_base`` / ``rotary_percent``: the rotary embedding, which a strict recipe's attention
+    core applies (the ``GPTModel`` then takes ``position_embedding_type="none"``).
     """
     check_spec_config(config)
     recipe = debug_recipe(recipe, DEBUG_ENGINE)
@@ -234,7 +256,7 @@ def get_gpt_decoder_block_minite_spec(
     block = dataclasses.replace(block, layer_specs=layer_specs)
     if recipe.strict_ops:  # strict mode (minite_megatron.strict): norms, attention, MoE, ...
         check_strict_config(config)
-        block = make_strict_spec(block)
+        block = make_strict_spec(block, strict_rotary(rotary_base), rotary_percent)
     return block
 
 
@@ -255,7 +277,8 @@ def minite_block_spec(
     """
     path = os.environ.get(RECIPE_ENV)
     recipe = recipe_from_file(path, RECIPE_ENV) if path else DEFAULT_RECIPE
-    return get_gpt_decoder_block_minite_spec(config, recipe, vp_stage=vp_stage)
+    rope = getattr(args, "rotary_base", None) if recipe.strict_ops else None
+    return get_gpt_decoder_block_minite_spec(config, recipe, vp_stage=vp_stage, rotary_base=rope)
 
 
 #: ``--spec minite_megatron.spec minite_layer_spec``: dense layer, no q/k norm (Llama-style).

@@ -3,13 +3,16 @@
 
 :func:`make_strict_spec` rewrites a layer or block spec (what
 :func:`~minite_megatron.spec.get_gpt_decoder_block_minite_spec` does for a recipe with
-``strict_ops``): RMSNorms (input, pre-MLP, q/k, final) become :class:`StrictRMSNorm`, residual adds
-:func:`strict_bias_dropout_add`, self-attention :class:`StrictSelfAttention` (rotary embedding)
-with :class:`StrictDotProductAttention`, the MLP activation :class:`StrictSwiGLU`, MoE layers
-:class:`StrictMoELayer` (routing and combine; experts keep their NVFP4 linears), linears the recipe
-keeps in BF16 :class:`StrictColumnParallelLinear` / :class:`StrictRowParallelLinear`. After building
-the ``GPTModel``, :func:`finalize_strict_model` gives the attention layers the model's rotary
-base and routes the output layer (LM head) through :func:`minite_common.ops.linear`.
+``strict_ops``), through the spec's submodule slots: RMSNorms (input, pre-MLP, q/k, final) become
+:class:`StrictRMSNorm`, residual adds :func:`strict_bias_dropout_add`, the attention core
+(``core_attention``) :class:`StrictDotProductAttention`, which applies the rotary embedding too
+(the ``GPTModel`` is built with ``position_embedding_type="none"``), the MLP activation
+:class:`StrictSwiGLU`. Where the spec has no slot, :mod:`minite_megatron.engine_patches` overrides
+Megatron methods, version-checked: MoE layers become
+:class:`~minite_megatron.engine_patches.StrictMoELayer` (routing and combine; experts keep their
+NVFP4 linears), linears the recipe keeps in BF16 ``StrictColumnParallelLinear`` /
+``StrictRowParallelLinear``, and :func:`finalize_strict_model` routes the output layer (LM head)
+through :func:`minite_common.ops.linear`.
 
 Everything here is layout (Megatron's ``[s, b, ...]`` to the ops' shapes); no formula. Strict
 mode covers tensor (and expert-tensor) parallelism, whose row-parallel NVFP4 linears then combine
@@ -31,23 +34,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
-from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_size
 
 from minite_common import ops
 
+from .engine_patches import (
+    StrictColumnParallelLinear,
+    StrictMoELayer,
+    StrictRowParallelLinear,
+    check_megatron_version,
+    install_strict_output_layer,
+)
 from .spec_tree import DESCEND, map_spec
 
 
@@ -143,9 +146,45 @@ def strict_bias_dropout_add(training: bool, fused: bool) -> Callable:
     return residual_add
 
 
+class StrictRotary(torch.nn.Module):
+    """The rotary embedding (NeoX layout) of ``[s, b, heads, d]`` queries or keys at positions
+    ``0..s-1`` through :func:`ops.rope_cos_sin` / :func:`ops.apply_rope`."""
+
+    def __init__(self, base: float, dim: int) -> None:
+        super().__init__()
+        self.base, self.dim = float(base), int(dim)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(query.shape[0], device=query.device)
+        cos, sin = ops.rope_cos_sin(positions, self.dim, self.base)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [s, 1, 1, dim/2]
+        return ops.apply_rope(query, cos, sin), ops.apply_rope(key, cos, sin)
+
+
+class StrictCausalAttention(torch.nn.Module):
+    """Causal attention of ``[s, b, heads, d]`` through :func:`ops.causal_attention`, one sequence
+    of the batch at a time, ``[s, b, heads * d]`` out."""
+
+    def __init__(self, softmax_scale: float) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        seq, batch = query.shape[:2]
+        pos = torch.arange(seq, device=query.device)
+        out = [
+            ops.causal_attention(query[:, b], key[:, b], value[:, b], pos, self.softmax_scale)
+            for b in range(batch)
+        ]
+        return torch.stack(out, dim=1).reshape(seq, batch, -1)
+
+
 class StrictDotProductAttention(MegatronModule):
-    """Causal attention core through :func:`ops.causal_attention`, one sequence of the batch at a
-    time: ``[s, b, heads, d]`` in, ``[s, b, heads * d]`` out (the mask must be causal)."""
+    """The ``core_attention`` submodule of strict self-attention: the rotary embedding
+    (:class:`StrictRotary`, when the spec gives ``rotary_base``; the ``GPTModel`` is then built
+    with ``position_embedding_type="none"`` so that Megatron rotates nothing itself), then
+    :class:`StrictCausalAttention`. ``[s, b, heads, d]`` in, ``[s, b, heads * d]`` out; the mask
+    must be causal, queries and keys the same ``s`` positions ``0..s-1``."""
 
     def __init__(
         self,
@@ -157,6 +196,8 @@ class StrictDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        rotary_base: float | None = None,
+        rotary_percent: float = 1.0,
     ) -> None:
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal or attention_type != "self":
@@ -166,7 +207,11 @@ class StrictDotProductAttention(MegatronModule):
             )
         check_strict_config(config)
         head_dim = config.kv_channels
-        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+        rotary_dim = int(head_dim * rotary_percent)
+        self.rotary = None if rotary_base is None else StrictRotary(rotary_base, rotary_dim)
+        self.attention = StrictCausalAttention(
+            head_dim**-0.5 if softmax_scale is None else softmax_scale
+        )
 
     def forward(
         self,
@@ -182,138 +227,14 @@ class StrictDotProductAttention(MegatronModule):
             raise NotImplementedError("miniTE strict mode: attention bias or packed sequences")
         if attn_mask_type not in (None, AttnMaskType.causal):
             raise NotImplementedError(f"miniTE strict mode: mask type {attn_mask_type}")
-        seq, batch = query.shape[:2]
-        pos = torch.arange(seq, device=query.device)
-        scale = self.softmax_scale
-        out = [
-            ops.causal_attention(query[:, b], key[:, b], value[:, b], pos, scale)
-            for b in range(batch)
-        ]
-        return torch.stack(out, dim=1).reshape(seq, batch, -1)
-
-
-class StrictSelfAttention(SelfAttention):
-    """Megatron's ``SelfAttention`` whose forward applies the rotary embedding with
-    :func:`ops.rope_cos_sin` / :func:`ops.apply_rope` at positions ``0..s-1`` (the q/k norms and
-    the attention core are the spec's modules). ``rope`` = ``(base, rotary_dim)`` is set by
-    :func:`finalize_strict_model`."""
-
-    rope: tuple[float, int] | None = None
-
-    def forward(  # type: ignore[override]
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        key_value_states: torch.Tensor | None = None,
-        inference_context: Any = None,
-        rotary_pos_emb: Any = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        extra = [a for a in args if a is not None] + [k for k, v in kwargs.items() if v is not None]
-        if key_value_states is not None or inference_context is not None or extra:
+        if key.shape[0] != query.shape[0]:
             raise NotImplementedError(
-                "miniTE strict mode: self-attention without key/value states, inference context, "
-                f"packed sequences or precomputed rotary tables (got {extra or 'kv/inference'})"
+                "miniTE strict mode: queries and keys of the same positions 0..s-1 (no inference "
+                f"context or KV cache; got {query.shape[0]} queries, {key.shape[0]} keys)"
             )
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
-        if rotary_pos_emb is not None:
-            if self.rope is None:
-                raise RuntimeError(
-                    "miniTE strict mode: call minite_megatron.strict.finalize_strict_model(model) "
-                    "after building the GPTModel (it sets the rotary base)"
-                )
-            base, dim = self.rope
-            positions = torch.arange(query.shape[0], device=query.device)
-            cos, sin = ops.rope_cos_sin(positions, dim, base)
-            cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [s, 1, 1, dim/2]
-            query, key = ops.apply_rope(query, cos, sin), ops.apply_rope(key, cos, sin)
-        core = self.core_attention(
-            query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
-        )
-        return self.linear_proj(core)
-
-
-class StrictMoELayer(MoELayer):
-    """Megatron's ``MoELayer`` (router weight, ``SequentialMLP`` experts) whose forward routes
-    with :func:`ops.linear` + :func:`ops.topk_routing` (softmax over the top-k logits unless
-    ``moe_router_pre_softmax``), runs each expert's MLP on its tokens and combines with
-    :func:`ops.moe_combine`: routing weights apply to expert outputs, as in the sampler."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.experts, SequentialMLP):
-            raise NotImplementedError(
-                f"miniTE strict mode runs MoE experts as SequentialMLP, not "
-                f"{type(self.experts).__name__} (turn grouped experts off)"
-            )
-        for expert in self.experts.local_experts:  # no token dispatcher sums their outputs
-            expert.linear_fc2.output_is_final = True
-
-    def forward(  # type: ignore[override]
-        self,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: Any = None,
-        padding_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, None]:
-        if intermediate_tensors is not None:
-            raise NotImplementedError("miniTE strict mode: partial MoE forward passes")
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        logits = ops.linear(x, self.router.weight)
-        weights, ids = ops.topk_routing(
-            logits, self.config.moe_router_topk, renormalize=not self.config.moe_router_pre_softmax
-        )
-        per_slot = x.new_zeros(x.shape[0], ids.shape[1], shape[-1])
-        for e, expert in enumerate(self.experts.local_experts):
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            if token.numel():
-                out, _ = expert(x[token])
-                per_slot = per_slot.index_put((token, slot), out)
-        return ops.moe_combine(per_slot, weights).reshape(shape), None
-
-
-def strict_linear_impl(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    *args: Any,
-    bias: Any = None,
-    allreduce_dgrad: bool = False,
-    sequence_parallel: bool = False,
-    tp_group: Any = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """A ``_forward_impl`` for Megatron's column-parallel BF16 linears (and the output layer):
-    :func:`ops.linear` on this rank's output columns (each column's bits do not depend on the
-    others), with Megatron's input communication for tensor parallelism."""
-    if sequence_parallel:
-        input = gather_from_sequence_parallel_region(
-            input, tensor_parallel_output_grad=True, group=tp_group
-        )
-    elif allreduce_dgrad:
-        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    return ops.linear(input, weight, bias)
-
-
-class StrictColumnParallelLinear(ColumnParallelLinear):
-    """A column-parallel linear the recipe keeps in BF16, through :func:`ops.linear`."""
-
-    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
-        return strict_linear_impl(input, weight, *args, **kwargs)
-
-
-class StrictRowParallelLinear(RowParallelLinear):
-    """A row-parallel linear the recipe keeps in BF16, through :func:`ops.linear` (TP 1 only:
-    the all-reduce of BF16 partial outputs would depend on the TP degree)."""
-
-    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any):
-        if get_pg_size(self.tp_group) > 1:
-            raise NotImplementedError(
-                f"miniTE strict mode: a BF16 row-parallel linear ({type(self).__name__}, input "
-                f"size {self.input_size}) at TP={get_pg_size(self.tp_group)} would all-reduce "
-                "rounded partial outputs; keep it in NVFP4 (drop it from bf16_modules) or run TP=1"
-            )
-        return strict_linear_impl(input, weight, *args, **kwargs)
+        if self.rotary is not None:
+            query, key = self.rotary(query, key)
+        return self.attention(query, key, value)
 
 
 # -- spec rewriting and model finalization -------------------------------------------------------
@@ -321,7 +242,6 @@ class StrictRowParallelLinear(RowParallelLinear):
 _NORM_FIELDS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "layer_norm")
 _BDA_FIELDS = ("self_attn_bda", "mlp_bda")
 _STRICT_MODULES = {
-    SelfAttention: StrictSelfAttention,
     MoELayer: StrictMoELayer,
     ColumnParallelLinear: StrictColumnParallelLinear,
     RowParallelLinear: StrictRowParallelLinear,
@@ -333,54 +253,63 @@ def _is_identity(obj: Any) -> bool:
     return isinstance(module, type) and issubclass(module, IdentityOp)
 
 
-def _strict_field(owner: Any, name: str, value: Any) -> Any:
-    if name in _NORM_FIELDS and value is not None and not _is_identity(value):
-        return StrictRMSNorm
-    if name in _BDA_FIELDS:
-        return strict_bias_dropout_add
-    if name == "core_attention":
-        return StrictDotProductAttention
-    if name == "activation_func" and isinstance(owner, MLPSubmodules):
-        return StrictSwiGLU
-    return make_strict_spec(value)
-
-
-def _strict_node(node: Any, path: tuple[str, ...]) -> Any:
+def _strict_node(node: Any, path: tuple[str, ...], core_attention: Callable) -> Any:
     if isinstance(node, type):
         return _STRICT_MODULES.get(node, node)
     if dataclasses.is_dataclass(node) and not isinstance(node, ModuleSpec):
-        fields = [f for f in dataclasses.fields(node) if f.init]
-        return dataclasses.replace(
-            node, **{f.name: _strict_field(node, f.name, getattr(node, f.name)) for f in fields}
-        )
+        visit = functools.partial(_strict_node, core_attention=core_attention)
+        new = {}
+        for f in (f for f in dataclasses.fields(node) if f.init):
+            value = getattr(node, f.name)
+            if f.name in _NORM_FIELDS and value is not None and not _is_identity(value):
+                new[f.name] = StrictRMSNorm
+            elif f.name in _BDA_FIELDS:
+                new[f.name] = strict_bias_dropout_add
+            elif f.name == "core_attention":
+                new[f.name] = core_attention
+            elif f.name == "activation_func" and isinstance(node, MLPSubmodules):
+                new[f.name] = StrictSwiGLU
+            else:
+                new[f.name] = map_spec(value, visit)
+        return dataclasses.replace(node, **new)
     return DESCEND
 
 
-def make_strict_spec(obj: Any) -> Any:
+def make_strict_spec(obj: Any, rotary_base: float | None, rotary_percent: float = 1.0) -> Any:
     """A copy of the spec tree ``obj`` (layer spec, block submodules) with the strict modules of
-    this module in place of Megatron's norms, residual adds, attention, activation, MoE layer and
-    plain BF16 linears (miniTE's NVFP4 linears stay)."""
-    return map_spec(obj, _strict_node)
+    this module in place of Megatron's norms, residual adds, attention core (with the rotary
+    embedding of base ``rotary_base``, ``None`` for none), activation, MoE layer and plain BF16
+    linears (miniTE's NVFP4 linears stay). A model built from it takes
+    ``position_embedding_type="none"``: the strict attention core rotates queries and keys."""
+    check_megatron_version()
+    core = functools.partial(
+        StrictDotProductAttention, rotary_base=rotary_base, rotary_percent=rotary_percent
+    )
+    return map_spec(obj, functools.partial(_strict_node, core_attention=core))
 
 
 def finalize_strict_model(model: torch.nn.Module) -> None:
-    """Finish a ``GPTModel`` built from a strict spec: give its attention layers the rotary base
-    and dimension (``model.rotary_base``, ``rotary_percent``), route its output layer through
-    :func:`ops.linear` and mark it ``minite_strict`` (``token_logprobs`` then normalizes with
-    :func:`ops.log_softmax`). Idempotent; raises if the model has no strict attention."""
-    layers = [m for m in model.modules() if isinstance(m, StrictSelfAttention)]
-    if not layers:
+    """Finish a ``GPTModel`` built from a strict spec: check that Megatron applies no position
+    embedding of its own (``position_embedding_type="none"``; the strict attention core rotates),
+    route its output layer (LM head) through :func:`ops.linear` and mark it ``minite_strict``
+    (``token_logprobs`` then normalizes with :func:`ops.log_softmax`). Idempotent; raises if the
+    model has no strict attention."""
+    if not any(isinstance(m, StrictDotProductAttention) for m in model.modules()):
         raise ValueError(
             "finalize_strict_model: the model has no strict attention layers; build it from "
-            "get_gpt_decoder_block_minite_spec(config, recipe) with recipe.strict_ops=True"
+            "get_gpt_decoder_block_minite_spec(config, recipe, rotary_base=...) with "
+            "recipe.strict_ops=True"
         )
     check_strict_config(model.config)
-    rope = None
-    if getattr(model, "position_embedding_type", None) == "rope":
-        rope = (float(model.rotary_base), int(model.config.kv_channels * model.rotary_percent))
-    for layer in layers:
-        layer.rope = rope
+    check_megatron_version()
+    position = getattr(model, "position_embedding_type", "none")
+    if position != "none":
+        raise ValueError(
+            f"finalize_strict_model: the GPTModel applies position embedding {position!r} itself; "
+            "in strict mode the attention core applies the rotary embedding (the spec's "
+            "rotary_base): build the GPTModel with position_embedding_type='none'"
+        )
     output = getattr(model, "output_layer", None)
     if output is not None:
-        output._forward_impl = strict_linear_impl
+        install_strict_output_layer(output)
     model.minite_strict = True  # token_logprobs: the fixed-order ops.log_softmax

@@ -1,29 +1,28 @@
 """Strict mode in vLLM: the ops around the NVFP4 linears run :mod:`minite_common.ops`.
 
 With a recipe whose ``strict_ops`` is on (``MINITE_RECIPE`` or a strict miniTE checkpoint), the
-``minite`` quantization config makes vLLM compute everything the learner computes the same way:
+``minite`` quantization config makes vLLM compute everything the learner computes the same way,
+through vLLM's public extension points:
 
 - RMSNorm (with its fused residual add), the rotary embedding and ``SiluAndMul``: out-of-tree
-  replacements of vLLM's custom ops (:func:`register_strict_ops`, called by the plugin in every
-  process). Each one checks, when the model is built, whether the engine runs a strict ``minite``
-  recipe; otherwise it is vLLM's own op, unchanged.
-- Attention: the CPU backend's implementation is swapped, per layer, for
-  :class:`StrictCPUAttentionImpl`, which writes K/V into the paged cache and reads each
-  sequence's keys back from it for :func:`minite_common.ops.causal_attention` (decode steps give
-  the bits of a full-sequence pass).
+  replacements of vLLM's custom ops (``CustomOp.register_oot``, in :func:`register_strict_ops`,
+  called by the plugin in every process) whose public ``forward_native`` / ``forward_cpu`` /
+  ``forward_cuda`` ... methods run the strict op. Each one checks, when the model is built,
+  whether the engine runs a strict ``minite`` recipe; otherwise it is vLLM's own op, unchanged.
+- Attention: :class:`~minite_vllm.strict_attention.StrictAttentionBackend`, registered as vLLM's
+  ``CUSTOM`` attention backend and selected with ``attention_backend="CUSTOM"``
+  (``--attention-backend CUSTOM``), which strict mode requires.
 - LM head and MoE router (BF16): :func:`minite_common.ops.linear`; routed experts: routing,
-  SwiGLU and the combine from :mod:`minite_common.ops` around the NVFP4 expert GEMMs.
+  SwiGLU and the combine from :mod:`minite_common.ops` around the NVFP4 expert GEMMs (quantization
+  methods of the ``minite`` config).
+- The log-probs the sampler returns, and the CPU platform's backend choice: vLLM has no public
+  hook for them; :mod:`minite_vllm.engine_patches` holds those two version-checked patches.
 
-- The log-probs the sampler returns: vLLM's ``Sampler.compute_logprobs`` (torch's
-  ``log_softmax``, whose bits depend on the CPU's instruction set) is replaced, in a process whose
-  engine runs a strict model, by :func:`minite_common.ops.log_softmax` (fixed order, float64,
-  the same bits on every CPU), the learner's ``token_logprobs`` in strict mode.
-
-Strict mode needs eager execution (``enforce_eager=True``) and vLLM's CPU attention backend. It
-runs at any tensor-parallel degree the model's shapes allow: its recipe turns on the TP-invariant
-reduction of row-parallel linears (:mod:`minite_common.parallel`), attention heads and LM-head
-vocabulary columns are independent of one another, and the sampler normalizes the gathered
-(whole-vocabulary) logits, so every TP degree gives TP=1's bits.
+Strict mode needs eager execution (``enforce_eager=True``). It runs at any tensor-parallel degree
+the model's shapes allow: its recipe turns on the TP-invariant reduction of row-parallel linears
+(:mod:`minite_common.parallel`), attention heads and LM-head vocabulary columns are independent of
+one another, and the sampler normalizes the gathered (whole-vocabulary) logits, so every TP degree
+gives TP=1's bits.
 """
 
 from __future__ import annotations
@@ -41,25 +40,32 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 
 from minite_common import grouped_w4a4_linear, ops
 
+from .engine_patches import (
+    STRICT_LOGITS,
+    check_vllm_version,
+    install_vllm_patches,
+    vllm_patches_installed,
+)
 from .linear import MiniteBF16LinearMethod
 from .moe import MiniteMoEMethod
+from .strict_attention import (
+    StrictAttentionBackend,
+    register_strict_attention_backend,
+    strict_attention_selected,
+)
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
 logger = init_logger(__name__)
 
-_PAD_SLOT = -1
-
-#: ``[True]`` while the model this process built last runs a strict recipe (set when its
-#: RMSNorm layers are built; vLLM's engine core normally runs in a process of its own).
-_STRICT_LOGITS: list[bool] = []
-
 
 def strict_enabled() -> bool:
     """Whether the vLLM config being built runs a ``minite`` recipe with ``strict_ops`` on;
-    raises if it does but the engine would compile the model or use pipeline or expert
-    parallelism (tensor parallelism is fine: its row-parallel reductions are TP-invariant)."""
+    raises if it does but the engine would compile the model, use pipeline or expert parallelism
+    (tensor parallelism is fine: its row-parallel reductions are TP-invariant) or another
+    attention backend than miniTE's, or if vLLM is not a version :mod:`.engine_patches` was
+    checked against."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.config.compilation import CompilationMode
 
@@ -74,6 +80,13 @@ def strict_enabled() -> bool:
             "miniTE strict mode runs vLLM eagerly (torch.compile may fuse multiply-adds and change "
             "bits): start the engine with enforce_eager=True (--enforce-eager)"
         )
+    check_vllm_version()
+    if not strict_attention_selected(config):
+        raise ValueError(
+            "miniTE strict mode runs attention through miniTE's strict backend, registered as "
+            "vLLM's CUSTOM attention backend: start the engine with attention_backend='CUSTOM' "
+            "(--attention-backend CUSTOM)"
+        )
     parallel = config.parallel_config
     if parallel.pipeline_parallel_size != 1 or parallel.enable_expert_parallel:
         raise NotImplementedError(
@@ -86,19 +99,51 @@ def strict_enabled() -> bool:
 # -- custom ops ----------------------------------------------------------------------------------
 
 
-class StrictRMSNorm(RMSNorm):
+class _StrictForward:
+    """Routes every public ``forward_*`` method of a vLLM ``CustomOp`` (the one vLLM dispatches to
+    for the platform and compilation mode) to ``forward_strict`` when ``minite_strict`` is set,
+    and to vLLM's own method otherwise."""
+
+    minite_strict = False
+
+    def forward_strict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _route(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if self.minite_strict:
+            return self.forward_strict(*args, **kwargs)
+        return getattr(super(), method)(*args, **kwargs)
+
+    def forward_native(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_native", args, kwargs)
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_cpu", args, kwargs)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_cuda", args, kwargs)
+
+    def forward_hip(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_hip", args, kwargs)
+
+    def forward_xpu(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_xpu", args, kwargs)
+
+    def forward_oot(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route("forward_oot", args, kwargs)
+
+
+class StrictRMSNorm(_StrictForward, RMSNorm):
     """vLLM's ``RMSNorm``; in strict mode :func:`ops.rms_norm` / :func:`ops.add_rms_norm`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.minite_strict = strict_enabled()
-        _STRICT_LOGITS[:] = [True] if self.minite_strict else []  # the model built last decides
-        if self.minite_strict:
-            if not self.has_weight or self.variance_size_override is not None:
-                raise NotImplementedError(
-                    "miniTE strict mode: RMSNorm without weight or with var_hidden_size"
-                )
-            self._forward_method = self.forward_strict
+        STRICT_LOGITS[:] = [True] if self.minite_strict else []  # the model built last decides
+        if self.minite_strict and (not self.has_weight or self.variance_size_override is not None):
+            raise NotImplementedError(
+                "miniTE strict mode: RMSNorm without weight or with var_hidden_size"
+            )
 
     def forward_strict(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -108,17 +153,15 @@ class StrictRMSNorm(RMSNorm):
         return ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
 
-class StrictRotaryEmbedding(RotaryEmbedding):
+class StrictRotaryEmbedding(_StrictForward, RotaryEmbedding):
     """vLLM's ``RotaryEmbedding``; in strict mode :func:`ops.rope_cos_sin` + :func:`ops.apply_rope`
     (NeoX layout) on each token's position."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.minite_strict = strict_enabled()
-        if self.minite_strict:
-            if not self.is_neox_style:
-                raise NotImplementedError("miniTE strict mode: GPT-J (interleaved) rotary layout")
-            self._forward_method = self.forward_strict
+        if self.minite_strict and not self.is_neox_style:
+            raise NotImplementedError("miniTE strict mode: GPT-J (interleaved) rotary layout")
 
     def forward_strict(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
@@ -133,14 +176,15 @@ class StrictRotaryEmbedding(RotaryEmbedding):
         return rotate(query), None if key is None else rotate(key)
 
 
-class StrictSiluAndMul(SiluAndMul):
+class StrictSiluAndMul(_StrictForward, SiluAndMul):
     """vLLM's ``SiluAndMul``; in strict mode :func:`ops.swiglu`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.minite_strict = strict_enabled()
-        if self.minite_strict:
-            self._forward_method = ops.swiglu
+
+    def forward_strict(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu(x)
 
 
 #: vLLM class replaced -> miniTE's strict subclass (``CustomOp.register_oot`` keys on the name).
@@ -151,28 +195,13 @@ STRICT_OPS: dict[type[CustomOp], type[CustomOp]] = {
 }
 
 
-def _strict_compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``Sampler.compute_logprobs``; :func:`ops.log_softmax` for a strict model."""
-    if _STRICT_LOGITS:
-        return ops.log_softmax(logits)
-    return logits.log_softmax(dim=-1, dtype=torch.float32)
-
-
-def install_strict_logprobs() -> None:
-    """Route vLLM's sampler log-probs through :func:`_strict_compute_logprobs` (idempotent)."""
-    from vllm.v1.sample.sampler import Sampler
-
-    if Sampler.__dict__.get("compute_logprobs") is not _STRICT_COMPUTE_LOGPROBS:
-        Sampler.compute_logprobs = _STRICT_COMPUTE_LOGPROBS
-
-
-_STRICT_COMPUTE_LOGPROBS = staticmethod(_strict_compute_logprobs)
-
-
 def register_strict_ops() -> None:
-    """Register the strict subclasses as vLLM's out-of-tree ops (idempotent). They behave exactly
-    like vLLM's ops unless the engine runs a strict ``minite`` recipe."""
-    install_strict_logprobs()
+    """Register the strict subclasses as vLLM's out-of-tree ops and the strict attention backend
+    as vLLM's ``CUSTOM`` backend, and apply :mod:`minite_vllm.engine_patches` on the vLLM versions
+    they were checked against (idempotent). All of it behaves exactly like vLLM's own code unless
+    the engine runs a strict ``minite`` recipe."""
+    install_vllm_patches()
+    register_strict_attention_backend()
     for base, strict in STRICT_OPS.items():
         name = base.__name__
         if op_registry_oot.get(name) is strict:
@@ -191,7 +220,8 @@ def register_strict_ops() -> None:
 
 
 def check_strict_ops_registered() -> None:
-    """Raise unless every op of :data:`STRICT_OPS` resolves to miniTE's strict subclass."""
+    """Raise unless every op of :data:`STRICT_OPS` resolves to miniTE's strict subclass and the
+    patches of :mod:`minite_vllm.engine_patches` are in place."""
     oot = op_registry_oot
     missing = [b.__name__ for b, s in STRICT_OPS.items() if oot.get(b.__name__) is not s]
     if missing:
@@ -199,116 +229,11 @@ def check_strict_ops_registered() -> None:
             f"miniTE strict mode: vLLM's {missing} are not replaced by miniTE's strict ops "
             "(is the minite plugin loaded, and no other plugin replacing them?)"
         )
-
-
-# -- attention -----------------------------------------------------------------------------------
-
-
-def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value views ``[num_blocks, kv_heads, block_size, head_size]`` of a CPU_ATTN cache
-    ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (each block holds its keys, then its
-    values). Only :class:`StrictCPUAttentionImpl` writes and reads this cache in strict mode."""
-    blocks, heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-
-
-def _strict_impl_class() -> type:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    class StrictCPUAttentionImpl(CPUAttentionBackendImpl):
-        """CPU_ATTN's implementation with :func:`ops.causal_attention` as the attention core."""
-
-        def do_kv_cache_update(
-            self,
-            layer: torch.nn.Module,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            kv_cache: torch.Tensor,
-            slot_mapping: torch.Tensor,
-        ) -> None:
-            """Copy each token's K/V (bits unchanged) into its cache slot."""
-            key_cache, value_cache = _split_cache(kv_cache)
-            n = min(slot_mapping.shape[0], key.shape[0])
-            slots = slot_mapping[:n].long()
-            keep = slots != _PAD_SLOT
-            slots = slots[keep]
-            block, offset = slots // key_cache.shape[2], slots % key_cache.shape[2]
-            key_cache[block, :, offset] = key[:n][keep]
-            value_cache[block, :, offset] = value[:n][keep]
-
-        def forward(
-            self,
-            layer: torch.nn.Module,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            kv_cache: torch.Tensor,
-            attn_metadata: Any,
-            output: torch.Tensor,
-            output_scale: torch.Tensor | None = None,
-            output_block_scale: torch.Tensor | None = None,
-        ) -> torch.Tensor:
-            """Each request's queries against its keys 0..seq_len-1, read from the cache."""
-            if output_scale is not None or output_block_scale is not None:
-                raise NotImplementedError("miniTE strict mode: fused output quantization")
-            if attn_metadata is None:  # profiling run
-                return output
-            if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
-                raise NotImplementedError("miniTE strict mode: non-causal attention")
-            key_cache, value_cache = _split_cache(kv_cache)
-            block_size = key_cache.shape[2]
-            starts = attn_metadata.query_start_loc.tolist()
-            seq_lens = attn_metadata.seq_lens.tolist()
-            for i in range(len(starts) - 1):
-                start, end, length = starts[i], starts[i + 1], seq_lens[i]
-                if end == start:
-                    continue
-                pos = torch.arange(length, device=query.device)
-                block = attn_metadata.block_table[i, pos // block_size].long()
-                offset = pos % block_size
-                output[start:end] = ops.causal_attention(
-                    query[start:end],
-                    key_cache[block, :, offset],
-                    value_cache[block, :, offset],
-                    pos[length - (end - start) :],
-                    self.scale,
-                )
-            return output
-
-    return StrictCPUAttentionImpl
-
-
-def install_strict_attention(layer: torch.nn.Module) -> None:
-    """Swap the attention implementation of vLLM ``Attention`` layer for the strict one
-    (idempotent); raise for what the strict path does not cover."""
-    from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    strict_cls = getattr(install_strict_attention, "impl_cls", None) or _strict_impl_class()
-    install_strict_attention.impl_cls = strict_cls  # type: ignore[attr-defined]
-    impl = layer.impl
-    if isinstance(impl, strict_cls):
-        return
-    where = f"miniTE strict mode ({layer.layer_name})"
-    if not isinstance(impl, CPUAttentionBackendImpl):
-        raise NotImplementedError(
-            f"{where}: runs on vLLM's CPU attention backend (CPU_ATTN), not {type(impl).__name__}"
+    if not vllm_patches_installed():
+        raise RuntimeError(
+            "miniTE strict mode: minite_vllm.engine_patches is not installed in this process "
+            "(is the minite plugin loaded?)"
         )
-    unsupported = {
-        "a non-decoder attention type": impl.attn_type != AttentionType.DECODER,
-        "ALiBi": impl.alibi_slopes is not None,
-        "a sliding window": impl.sliding_window not in (-1, None),
-        "logit soft-capping": bool(impl.logits_soft_cap),
-        "attention sinks": impl.sinks is not None,
-        "a quantized KV cache": impl.kv_cache_dtype != "auto",
-        "KV-cache sharing": impl.kv_sharing_target_layer_name is not None,
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise NotImplementedError(f"{where}: does not support {', '.join(bad)}")
-    strict = strict_cls.__new__(strict_cls)
-    strict.__dict__.update(impl.__dict__)
-    layer.impl = strict
 
 
 # -- BF16 GEMMs and routed experts ---------------------------------------------------------------
@@ -394,15 +319,20 @@ class StrictMoEMethod(MiniteMoEMethod):
 
 
 def strict_layer_method(layer: torch.nn.Module) -> Any:
-    """The strict handling of a layer that is neither linear nor routed experts: the attention
-    implementation is swapped (None is returned: no weights), the LM head gets
+    """The strict handling of a layer that is neither linear nor routed experts: an attention
+    layer must run miniTE's strict backend (None is returned: no weights), the LM head gets
     :class:`StrictLMHeadMethod`; anything else None."""
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     check_strict_ops_registered()
     if isinstance(layer, Attention):
-        install_strict_attention(layer)
+        if layer.get_attn_backend() is not StrictAttentionBackend:
+            raise NotImplementedError(
+                f"miniTE strict mode ({layer.layer_name}): vLLM chose the attention backend "
+                f"{layer.get_attn_backend().get_name()}, not miniTE's strict backend (CUSTOM); "
+                "start the engine with attention_backend='CUSTOM'"
+            )
     elif isinstance(layer, ParallelLMHead):
         return StrictLMHeadMethod()
     return None

@@ -126,3 +126,14 @@ class MiniteWorkerExtension:
     def finish_capture(self) -> bytes:
         """The recorded ``{"<hf module>:input|output": tensor}``, packed like the weights."""
         return pack_weights(capture.finish_capture(self._minite_model()))
+
+    def get_attention_backends(self) -> dict[str, str]:
+        """``{layer name: qualified class name}`` of the attention backend vLLM chose for each
+        attention layer (``layer.get_attn_backend()``)."""
+        from vllm.model_executor.layers.attention import Attention
+
+        return {
+            m.layer_name: ".".join(m.get_attn_backend().full_cls_name())
+            for m in self._minite_model().modules()
+            if isinstance(m, Attention)
+        }

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -329,10 +330,11 @@ def test_strict_switch_is_a_fingerprinted_recipe_field():
 
 
 def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import AttentionConfig, CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.config.compilation import CompilationMode
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     import minite_vllm
     from minite_vllm.config import MiniteConfig
@@ -342,10 +344,11 @@ def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
     with set_current_vllm_config(VllmConfig(quant_config=MiniteConfig(DEFAULT_RECIPE))):
         norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
         assert not norm.minite_strict and not act.minite_strict
-        assert norm._forward_method.__name__ != "forward_strict"
-        assert torch.equal(norm(x), norm.forward_native(x))
+        assert torch.equal(norm(x), RMSNorm.forward_native(norm, x))  # vLLM's own formula
     eager = CompilationConfig(mode=CompilationMode.NONE)
-    config = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager)
+    custom = AttentionConfig(backend=AttentionBackendEnum.CUSTOM)
+    config = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager,
+                        attention_config=custom)  # fmt: skip
     with set_current_vllm_config(config):
         norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
         assert norm.minite_strict and act.minite_strict
@@ -353,6 +356,11 @@ def test_vllm_ops_are_vllms_own_unless_the_recipe_is_strict():
         for a, b in zip(norm(x, r), ops.add_rms_norm(x, r, norm.weight, 1e-6), strict=True):
             assert torch.equal(a, b)
         assert torch.equal(act(torch.cat([x, r], -1)), ops.silu_mul(x, r))
+        for forward in (norm.forward_native, norm.forward_cpu, norm.forward_cuda):  # public
+            assert torch.equal(forward(x), ops.rms_norm(x, norm.weight, 1e-6))
+    cpu_attn = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE), compilation_config=eager)
+    with set_current_vllm_config(cpu_attn), pytest.raises(ValueError, match="CUSTOM"):
+        RMSNorm(64)  # strict mode runs only on miniTE's attention backend
     compiled = VllmConfig(quant_config=MiniteConfig(STRICT_RECIPE))
     with set_current_vllm_config(compiled), pytest.raises(ValueError, match="enforce_eager"):
         RMSNorm(64)
@@ -370,6 +378,9 @@ class StrictRun:
     learner_logprobs: list[torch.Tensor]
     updated_rollouts: Rollouts  # sampled after one learner step and a weight sync
     updated_learner_logprobs: list[torch.Tensor]
+    attention_backends: dict[str, str]  # layer name -> the backend class vLLM chose
+    learner_attention: torch.nn.Module  # the learner's first self-attention module
+    learner_position_embedding: str
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -386,6 +397,8 @@ def strict_run(request, tiny_dense_dir, tiny_moe_dir):
     llm = start_sampler(model_dir, recipe=STRICT_RECIPE, max_model_len=256)
     try:
         learner = build_learner(model_dir, nvfp4=True, recipe=STRICT_RECIPE)
+        attention = learner.decoder.layers[0].self_attention
+        backends = llm.collective_rpc("get_attention_backends")[0]
         llm.collective_rpc("start_capture")
         llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(max_tokens=1),
                      use_tqdm=False)  # fmt: skip
@@ -405,7 +418,66 @@ def strict_run(request, tiny_dense_dir, tiny_moe_dir):
     finally:
         stop_sampler(llm)
     yield StrictRun(request.param, sampler_capture, learner_capture, rollouts, scores, updated,
-                    updated_scores)  # fmt: skip
+                    updated_scores, backends, attention,
+                    learner.position_embedding_type)  # fmt: skip
+
+
+def test_strict_engine_runs_minites_registered_attention_backend(strict_run):
+    """vLLM itself chose miniTE's backend for every attention layer: the one registered in its
+    attention-backend registry's CUSTOM slot, selected by the public attention-backend setting."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from minite_vllm.strict_attention import STRICT_BACKEND_PATH, StrictAttentionBackend
+
+    assert AttentionBackendEnum.CUSTOM.get_class() is StrictAttentionBackend
+    assert len(strict_run.attention_backends) == 2  # both layers of the tiny model
+    assert set(strict_run.attention_backends.values()) == {STRICT_BACKEND_PATH}
+
+
+def test_strict_learner_attention_comes_from_spec_submodules(strict_run):
+    """Megatron's own SelfAttention runs; the strict ops sit in its core_attention submodule
+    (rotary embedding included: the GPTModel applies none of its own)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from minite_megatron.strict import StrictDotProductAttention, StrictRMSNorm
+
+    attention = strict_run.learner_attention
+    assert type(attention) is SelfAttention
+    assert isinstance(attention.core_attention, StrictDotProductAttention)
+    assert attention.core_attention.rotary is not None
+    assert isinstance(attention.q_layernorm, StrictRMSNorm)
+    assert strict_run.learner_position_embedding == "none"
+
+
+def test_engine_version_guards_name_the_checked_versions():
+    """Strict mode's remaining engine patches refuse engine versions they were not checked
+    against, with an error naming the checked versions and the fix."""
+    import vllm
+    from megatron.core import package_info
+
+    from minite_megatron.engine_patches import check_megatron_version
+    from minite_vllm.engine_patches import check_vllm_version
+
+    for version in ("0.32.0+cpu", "0.32.0", "0.32.4", vllm.__version__):
+        check_vllm_version(version)
+    for version in ("0.33.0", "0.31.2+cpu", "0.320.0", "1.32.0", "nightly"):
+        message = r"checked against vLLM 0\.32.*vLLM " + re.escape(version)
+        with pytest.raises(RuntimeError, match=message):
+            check_vllm_version(version)
+    for version in ("0.16.1", "0.19.2", "0.19.0rc1", package_info.__version__):
+        check_megatron_version(version)
+    for version in ("0.17.0", "0.15.3", "0.190.0", "1.16.1"):
+        message = r"Megatron-Core 0\.16, 0\.19.*Core " + re.escape(version)
+        with pytest.raises(RuntimeError, match=message):
+            check_megatron_version(version)
+
+
+def test_strict_spec_needs_the_rotary_base():
+    from minite_megatron.spec import strict_rotary
+
+    assert strict_rotary(1e6) == 1e6
+    with pytest.raises(ValueError, match="position_embedding_type='none'"):
+        strict_rotary(None)
 
 
 def test_strict_layer_captures_are_bitwise_equal(strict_run):
