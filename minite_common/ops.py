@@ -693,6 +693,7 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     torch's own ``log_softmax`` kernel treats each row alone, but its bits depend on the CPU
     (its vectorized exp and its reduction order follow the instruction set: AVX2, AVX-512, or
     none), so strict mode uses this one on both sides: the learner's ``token_logprobs`` and vLLM's
-    sampler (``Sampler.compute_logprobs``, replaced by ``minite_vllm.engine_patches`` in a strict engine).
+    sampler (``Sampler.compute_logprobs``, replaced by ``minite_vllm.engine_patches`` in a strict
+    engine).
     """
     return _LogSoftmax.apply(logits)
