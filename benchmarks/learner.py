@@ -317,26 +317,10 @@ class BF16GroupedMLP(torch.nn.Module):
         if config.perform_initialization:
             self._initialize()
 
-    @torch.no_grad()
     def _initialize(self) -> None:
-        from megatron.core.tensor_parallel.random import (
-            get_cuda_rng_tracker,
-            get_expert_parallel_rng_tracker_name,
-        )
+        from minite_megatron.experts import init_stacked_experts
 
-        inits = (
-            (self.linear_fc1.weight, self.config.init_method),
-            (self.linear_fc2.weight, self.config.output_layer_init_method),
-        )
-        for e in range(self.num_local_experts):
-            for weight, init in inits:
-                if self.config.use_cpu_initialization:
-                    master = torch.empty(weight.shape[1:], dtype=torch.float32)
-                    init(master)
-                    weight[e].copy_(master)
-                else:
-                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                        init(weight[e])
+        init_stacked_experts(self.config, self.linear_fc1.weight, self.linear_fc2.weight)
 
     def forward(
         self,

@@ -131,6 +131,25 @@ class GroupedExpertLinear(NVFP4LinearMixin, torch.nn.Module):
         return f"experts={experts}, in_features={k}, out_features={n}"
 
 
+@torch.no_grad()
+def init_stacked_experts(
+    config: TransformerConfig, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
+) -> None:
+    """Initialize stacked expert weights ([experts, out, in]) as ``SequentialMLP``'s expert MLPs
+    are: each expert's fc1 then fc2, in its order (CPU: a float32 master per tensor; GPU: under
+    the expert-parallel RNG tracker), so both start from the same numbers."""
+    inits = ((fc1_weight, config.init_method), (fc2_weight, config.output_layer_init_method))
+    for e in range(fc1_weight.shape[0]):
+        for weight, init in inits:
+            if config.use_cpu_initialization:
+                master = torch.empty(weight.shape[1:], dtype=torch.float32)
+                init(master)
+                weight[e].copy_(master)
+            else:
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    init(weight[e])
+
+
 class MiniTEGroupedMLP(MegatronModule):
     """Megatron's ``SequentialMLP`` contract with all local experts in two grouped NVFP4 linears
     (see the module docstring). ``submodules`` and ``name`` are accepted for the spec's sake
@@ -181,23 +200,8 @@ class MiniTEGroupedMLP(MegatronModule):
         if config.perform_initialization:
             self._initialize()
 
-    @torch.no_grad()
     def _initialize(self) -> None:
-        """Each expert's fc1 then fc2 initialized as ``SequentialMLP``'s expert MLPs are (CPU:
-        a float32 master per tensor; GPU: under the expert-parallel RNG tracker), in its order."""
-        inits = (
-            (self.linear_fc1.weight, self.config.init_method),
-            (self.linear_fc2.weight, self.config.output_layer_init_method),
-        )
-        for e in range(self.num_local_experts):
-            for weight, init in inits:
-                if self.config.use_cpu_initialization:
-                    master = torch.empty(weight.shape[1:], dtype=torch.float32)
-                    init(master)
-                    weight[e].copy_(master)
-                else:
-                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                        init(weight[e])
+        init_stacked_experts(self.config, self.linear_fc1.weight, self.linear_fc2.weight)
 
     def forward(
         self,
