@@ -157,12 +157,26 @@ struct Rows {
   const unsigned char* s1;
 };
 
+// This thread's weight rows n_base + g and n_base + g + 8 (clamped to N), from word 2t / scale t.
+__device__ __forceinline__ Rows weight_rows(const Params& p, int n_base, int g, int t) {
+  const long long row0 = min(n_base + g, p.N - 1);
+  const long long row1 = min(n_base + g + 8, p.N - 1);
+  Rows rows;
+  rows.w0 = (const uint2*)(p.w_words + row0 * p.stride_ww + 2 * t);
+  rows.w1 = (const uint2*)(p.w_words + row1 * p.stride_ww + 2 * t);
+  rows.s0 = p.w_scales + row0 * p.stride_ws + t;
+  rows.s1 = p.w_scales + row1 * p.stride_ws + t;
+  return rows;
+}
+
 template <bool EVEN_K>
-__device__ __forceinline__ void load_raw(const Rows& rows, int ch, int t, int K, Raw& r) {
+__device__ __forceinline__ void load_raw(const Rows& rows, int ch, int t, int K, Raw& r,
+                                         bool in_k = true) {
   // Words 2t, 2t+1 hold elements 16t..16t+15 of the chunk, words 2t+8, 2t+9 elements
-  // 16t+64..16t+79: a pair is one scale block, valid iff inside K (else zeros).
-  const bool lo_ok = EVEN_K || ch * 128 + 16 * t + 16 <= K;
-  const bool hi_ok = EVEN_K || ch * 128 + 16 * t + 80 <= K;
+  // 16t+64..16t+79: a pair is one scale block, valid iff inside K (else zeros). `in_k`: false
+  // for a padding chunk past K (zeros, without a branch).
+  const bool lo_ok = in_k && (EVEN_K || ch * 128 + 16 * t + 16 <= K);
+  const bool hi_ok = in_k && (EVEN_K || ch * 128 + 16 * t + 80 <= K);
   const uint2* w0 = rows.w0 + ch * 8;
   const uint2* w1 = rows.w1 + ch * 8;
   const unsigned char* s0 = rows.s0 + ch * 8;
@@ -301,13 +315,7 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.x * ROWS + 16 * warp;
-  const long long row0 = min(n_base + g, p.N - 1);
-  const long long row1 = min(n_base + g + 8, p.N - 1);
-  Rows rows;
-  rows.w0 = (const uint2*)(p.w_words + row0 * p.stride_ww + 2 * t);
-  rows.w1 = (const uint2*)(p.w_words + row1 * p.stride_ww + 2 * t);
-  rows.s0 = p.w_scales + row0 * p.stride_ws + t;
-  rows.s1 = p.w_scales + row1 * p.stride_ws + t;
+  const Rows rows = weight_rows(p, n_base, g, t);
 
 
   prefetch_weight(rows, ch_first, min(ch_first + 4, ch_end));
@@ -518,23 +526,25 @@ __device__ __forceinline__ int wg_chunk(int j, int wg) {
   return (WGS * (j >> 2) + wg) * FOLD_CHUNKS + (j & 3);
 }
 
+// Step j of a warpgroup (its chunk wg_chunk(j, wg)); n_j steps in all, the same for every
+// warpgroup, so that every branch around the wgmma is uniform across the CTA (a warpgroup-
+// dependent path there makes the compiler serialize every wgmma of the kernel).
 template <int BM, int WGS, int P, bool EVEN_K>
 __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw (&raw)[2],
                                          u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
-                                         u32 ring, float* xbuf, int j, int wg, int tid, int t) {
-  const int ch = wg_chunk<WGS>(j, wg), ch_end = p.a_chunks;
-  asm volatile("cp.async.wait_group %0;" ::"n"(RING - 3) : "memory");  // chunk ch has landed
+                                         u32 ring, float* xbuf, int j, int n_j, int k_chunks,
+                                         int wg, int tid, int t) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(RING - 3) : "memory");  // step j's chunk landed
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  if (wg == 0)  // ... for the warpgroup; all its warps are past chunk j - 2
-    named_barrier<1, 128>();
-  else
-    named_barrier<2, 128>();
-  const int ahead = wg_chunk<WGS>(j + RING - 2, wg);
-  if (ahead < ch_end) copy_act<BM>(p, ring, ahead, (j + RING - 2) % RING, tid);
+  // ... for the warpgroup (barrier 1 + wg, no branch); all its warps are past step j - 2
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+  if (j + RING - 2 < n_j)
+    copy_act<BM>(p, ring, wg_chunk<WGS>(j + RING - 2, wg), (j + RING - 2) % RING, tid);
   cp_async_commit();
   decode_raw(raw[P], a[P]);
-  const int next = wg_chunk<WGS>(j + 2, wg);
-  if (next < ch_end) load_raw<EVEN_K>(rows, next, t, p.K, raw[P]);
+  if (j + 2 < n_j)
+    load_raw<EVEN_K>(rows, wg_chunk<WGS>(j + 2, wg), t, p.K, raw[P],
+                     wg_chunk<WGS>(j + 2, wg) < k_chunks);
   const u64 desc = smem_desc(ring + (j % RING) * (BM * 256), p.lbo, p.sbo);
   const int first_in_fold = (j & 3) == 0;
   wgmma_fence();
@@ -544,12 +554,14 @@ __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw 
     wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
   }
   wgmma_commit();
-  if (((ch + 1) % FOLD_CHUNKS != 0) && (ch + 1 != ch_end)) {
+  if ((j & 3) != 3 && j + 1 != n_j) {
     wgmma_wait<1>();
     return;
   }
-  // End of this warpgroup's fold chunk f: the first warpgroup adds f, then (after the
-  // barrier) the second warpgroup's f + 1 from the exchange buffer; the second writes it there.
+  // End of this warpgroup's fold chunk. One warpgroup: fold it. Two (fold chunks 2i and 2i + 1):
+  // both write their partial to the exchange buffer and, after the barrier, add their own and
+  // then the second's; the first warpgroup's sum is the result (the second's is never stored),
+  // all without a warpgroup-dependent branch.
   wgmma_wait<0>();
   fence_acc(part);
   if (WGS == 1) {
@@ -557,53 +569,47 @@ __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw 
     for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
     return;
   }
-  const int f = ch / FOLD_CHUNKS, n_folds = (ch_end + FOLD_CHUNKS - 1) / FOLD_CHUNKS;
-  float* x = xbuf + ((f >> 1) & 1) * (BM / 2) * 128 + tid;
-  if (wg == 0) {
+  float* pair = xbuf + ((j >> 2) & 1) * BM * 128 + tid;  // [2 warpgroups][BM / 2][128 threads]
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
-    if (f + 1 < n_folds) {
-      named_barrier<3, 256>();
+  for (int i = 0; i < BM / 2; ++i) pair[(wg * (BM / 2) + i) * 128] = part.d[i];
+  named_barrier<3, 256>();
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], x[i * 128]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) x[i * 128] = part.d[i];
-    named_barrier<3, 256>();
+  for (int i = 0; i < BM / 2; ++i) {
+    acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+    acc.d[i] = __fadd_rn(acc.d[i], pair[((BM / 2) + i) * 128]);
   }
 }
 
+// p.a_chunks: chunks per row of the activation image; with two warpgroups a multiple of 8 (whole
+// fold-chunk pairs; the padding chunks are zeros in the image and in the weight loads, and a
+// zero fold chunk leaves the fold's sum bitwise unchanged: it is never -0).
 template <int BM, int WGS, bool EVEN_K>
 __device__ __forceinline__ void gemm_mid_m(const Params& p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int ch_end = p.a_chunks;
+  const int n_j = p.a_chunks / WGS, k_chunks = (p.K + 127) / 128;
   const int m0 = blockIdx.x * BM;
-  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int wg = WGS == 1 ? 0 : threadIdx.x >> 7, tid = threadIdx.x & 127;
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.y * ROWS + 16 * warp;
-  const long long row0 = min(n_base + g, p.N - 1);
-  const long long row1 = min(n_base + g + 8, p.N - 1);
-  Rows rows;
-  rows.w0 = (const uint2*)(p.w_words + row0 * p.stride_ww + 2 * t);
-  rows.w1 = (const uint2*)(p.w_words + row1 * p.stride_ww + 2 * t);
-  rows.s0 = p.w_scales + row0 * p.stride_ws + t;
-  rows.s1 = p.w_scales + row1 * p.stride_ws + t;
+  const Rows rows = weight_rows(p, n_base, g, t);
 
-  for (int j = 0; j < 4 && wg_chunk<WGS>(j, wg) < ch_end; ++j)
-    prefetch_weight(rows, wg_chunk<WGS>(j, wg), wg_chunk<WGS>(j, wg) + 1);
+  for (int j = 0; j < 4 && j < n_j; ++j) {
+    const int ch = wg_chunk<WGS>(j, wg);
+    if (ch < k_chunks) prefetch_weight(rows, ch, ch + 1);
+  }
   wait_previous_kernel();
   const u32 ring = (u32)__cvta_generic_to_shared(smem) + wg * (RING * BM * 256);
   float* xbuf = (float*)(smem + WGS * (RING * BM * 256));
 #pragma unroll
   for (int s = 0; s < RING - 2; ++s) {
-    if (wg_chunk<WGS>(s, wg) < ch_end) copy_act<BM>(p, ring, wg_chunk<WGS>(s, wg), s, tid);
+    if (s < n_j) copy_act<BM>(p, ring, wg_chunk<WGS>(s, wg), s, tid);
     cp_async_commit();
   }
   Raw raw[2];
-  if (wg_chunk<WGS>(0, wg) < ch_end) load_raw<EVEN_K>(rows, wg_chunk<WGS>(0, wg), t, p.K, raw[0]);
-  if (wg_chunk<WGS>(1, wg) < ch_end) load_raw<EVEN_K>(rows, wg_chunk<WGS>(1, wg), t, p.K, raw[1]);
+  load_raw<EVEN_K>(rows, wg_chunk<WGS>(0, wg), t, p.K, raw[0], wg_chunk<WGS>(0, wg) < k_chunks);
+  if (1 < n_j)
+    load_raw<EVEN_K>(rows, wg_chunk<WGS>(1, wg), t, p.K, raw[1], wg_chunk<WGS>(1, wg) < k_chunks);
 
   u32 a[2][8][4];
   Acc<BM> part, acc;
@@ -613,12 +619,15 @@ __device__ __forceinline__ void gemm_mid_m(const Params& p) {
     acc.d[i] = 0.f;
   }
   int j = 0;
-  for (; wg_chunk<WGS>(j + 1, wg) < ch_end; j += 2) {
-    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, wg, tid, t);
-    mid_step<BM, WGS, 1, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j + 1, wg, tid, t);
+  for (; j + 1 < n_j; j += 2) {
+    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, n_j, k_chunks, wg,
+                                 tid, t);
+    mid_step<BM, WGS, 1, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j + 1, n_j, k_chunks,
+                                 wg, tid, t);
   }
-  if (wg_chunk<WGS>(j, wg) < ch_end)
-    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, wg, tid, t);
+  if (j < n_j)
+    mid_step<BM, WGS, 0, EVEN_K>(p, rows, raw, a, part, acc, ring, xbuf, j, n_j, k_chunks, wg,
+                                 tid, t);
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   if (wg == 0) store_out<BM>(p, acc, n_base, m0, g, t);
 }

@@ -75,6 +75,7 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert not w4a4_gemm_cuda.preferred(1, 8192, 8192, 132)
     assert w4a4_gemm_cuda.preferred(64, 8192, 8192, 132)  # 128 CTAs
     assert not w4a4_gemm_cuda.preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
+    assert not w4a4_gemm_cuda.preferred(64, 24576, 4096, 132)  # 384 CTAs: 1.5 waves
     assert not w4a4_gemm_cuda.preferred(32, 8192, 8192, 132)
     assert w4a4_gemm_cuda.preferred(32, 24576, 4096, 132)  # 384 CTAs
     assert w4a4_gemm_cuda.preferred(65, 2048, 4096, 132)
