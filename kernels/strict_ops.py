@@ -203,15 +203,20 @@ def _residual_add_kernel(x_ptr, r_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, (x + r).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _elementwise(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``kernel`` over the broadcast ``a`` and ``b``, in ``a``'s dtype (1024 elements a program)."""
+    a, b = torch.broadcast_tensors(a, b)
+    a, b = a.contiguous(), b.contiguous()
+    y = torch.empty_like(a)
+    n = a.numel()
+    if n:
+        kernel[(triton.cdiv(n, 1024),)](a, b, y, n, BLOCK=1024, **LAUNCH)
+    return y
+
+
 def residual_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``x + residual`` in float32, rounded once to ``x``'s dtype."""
-    x, residual = torch.broadcast_tensors(x, residual)
-    x, residual = x.contiguous(), residual.contiguous()
-    y = torch.empty_like(x)
-    n = x.numel()
-    if n:
-        _residual_add_kernel[(triton.cdiv(n, 1024),)](x, residual, y, n, BLOCK=1024, **LAUNCH)
-    return y
+    return _elementwise(_residual_add_kernel, x, residual)
 
 
 @triton.jit
@@ -226,13 +231,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``dtype(f32(g / f32(1 + exp(-g))) * u)``, in ``gate``'s dtype."""
-    gate, up = torch.broadcast_tensors(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, **LAUNCH)
-    return y
+    return _elementwise(_silu_mul_kernel, gate, up)
 
 
 @triton.jit
