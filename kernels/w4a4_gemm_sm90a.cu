@@ -261,6 +261,20 @@ __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, i
   }
 }
 
+// One 128-element chunk's wgmma chain (8 k16 steps of BM columns), asynchronous: the first step
+// of a fold chunk starts from zero.
+template <int BM>
+__device__ __forceinline__ void issue_chunk(Acc<BM>& part, const u32 (&a)[8][4], u64 desc,
+                                            int first_in_fold) {
+  wgmma_fence();
+  fence_acc(part);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    wgmma(part, a[q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
+  }
+  wgmma_commit();
+}
+
 template <int BM, int P, bool EVEN_K>
 __device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Raw (&raw)[2],
                                            u32 (&a)[2][8][4], Acc<BM>& part, Acc<BM>& acc,
@@ -271,13 +285,7 @@ __device__ __forceinline__ void chunk_step(const Params& p, const Rows& rows, Ra
   // Descriptor start addresses advance in 16-byte units: one step block is BM * 32 bytes.
   const u64 desc = desc0 + (u64)((ch - ch_first) * 8 * BM * 2);
   const int first_in_fold = (ch % FOLD_CHUNKS) == 0;
-  wgmma_fence();
-  fence_acc(part);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
-  }
-  wgmma_commit();
+  issue_chunk<BM>(part, a[P], desc, first_in_fold);
   const bool fold_here = ((ch + 1) % FOLD_CHUNKS == 0) || (ch + 1 == ch_end);
   if (fold_here) {
     wgmma_wait<0>();
@@ -547,13 +555,7 @@ __device__ __forceinline__ void mid_step(const Params& p, const Rows& rows, Raw 
                      wg_chunk<WGS>(j + 2, wg) < k_chunks);
   const u64 desc = smem_desc(ring + (j % RING) * (BM * 256), p.lbo, p.sbo);
   const int first_in_fold = (j & 3) == 0;
-  wgmma_fence();
-  fence_acc(part);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    wgmma(part, a[P][q], desc + (u64)(q * BM * 2), (q == 0 && first_in_fold) ? 0 : 1);
-  }
-  wgmma_commit();
+  issue_chunk<BM>(part, a[P], desc, first_in_fold);
   if ((j & 3) != 3 && j + 1 != n_j) {
     wgmma_wait<1>();
     return;
