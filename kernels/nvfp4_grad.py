@@ -212,6 +212,21 @@ def _qdq_tile(
 
 
 @triton.jit
+def _tile_values(
+    x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, offs_r, offs_c,
+    COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The row (``COL_OUT`` False) or col operand's float32 values of one tile of ``x``."""
+    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+    if COL_OUT:
+        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
+    else:
+        v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+    return v
+
+
+@triton.jit
 def _magnitude_bits(v):
     """int32 bits of ``|v|``: their integer order is the float order, Inf and NaN on top."""
     return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -232,12 +247,11 @@ def _tiles_amax(
     else:
         top = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
     for i in range(TILES):
-        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-        if COL_OUT:
-            v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        else:
-            v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+        v = _tile_values(
+            x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr,
+            (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R), offs_c,
+            COL_OUT, ROW_SCALE, RHT, DOT_BF16, BLOCK_R, BLOCK_C,
+        )  # fmt: skip
         top = tl.maximum(top, _magnitude_bits(v))
     top_all = tl.max(tl.max(top, axis=1), axis=0)
     amax = top_all.to(tl.float32, bitcast=True)
@@ -245,12 +259,11 @@ def _tiles_amax(
     if top_all >= 0x7F800000:
         amax = 0.0
         for i in range(TILES):
-            offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-            x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-            if COL_OUT:
-                v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-            else:
-                v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+            v = _tile_values(
+                x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr,
+                (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R), offs_c,
+                COL_OUT, ROW_SCALE, RHT, DOT_BF16, BLOCK_R, BLOCK_C,
+            )  # fmt: skip
             finite = tl.abs(v) < INF
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
         bad = 1.0

@@ -46,6 +46,23 @@ def e2m1_code_rne(a):
 
 
 @triton.jit
+def _block_scales(bamax, s_enc, s_dec):
+    """The contract's block scales of block amaxes ``bamax`` [rows, blocks] under the rows'
+    global scales: (E4M3 scale codes, float32 encode factors 1 / decoded block scale)."""
+    scale_f32 = tl.minimum(
+        bamax * (s_enc * SIXTH_F32)[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL
+    )
+    scale_code = f32_to_e4m3_rne(scale_f32)
+    block_dec = e4m3_to_f32(scale_code) * s_dec[:, None]
+    encode = tl.minimum(
+        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
+        FLT_MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    return scale_code, encode
+
+
+@triton.jit
 def _load_finite(x_rows, stride_xk, row_ok, k0, K, BLOCK_K: tl.constexpr):
     """A float32 tile with NaN/Inf replaced by 0, and a 0/1 mask of the non-finite elements."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -80,16 +97,7 @@ def _quantize_tile(
         )
     else:
         bamax = tl.max(tl.reshape(mag, [BLOCK_M, NB, 16]), axis=2)
-    scale_f32 = tl.minimum(
-        bamax * (s_enc * SIXTH_F32)[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL
-    )
-    scale_code = f32_to_e4m3_rne(scale_f32)
-    block_dec = e4m3_to_f32(scale_code) * s_dec[:, None]
-    encode = tl.minimum(
-        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
-        FLT_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
+    scale_code, encode = _block_scales(bamax, s_enc, s_dec)
     scaled = tl.reshape(x, [BLOCK_M, NB, 16]) * encode[:, :, None]
     # x is finite and encode in (0, FLT_MAX]: scaled is never NaN, so a plain min clamps it.
     code = e2m1_code_rne(tl.minimum(tl.abs(scaled), 6.0)) | tl.where(scaled < 0, 8, 0)
@@ -229,16 +237,8 @@ def _quantize_bf16_rows_kernel(
         amax = tl.max(bmax, axis=1)
     s_enc, s_dec = global_scales(amax)
     tl.store(decode_ptr + offs_m, tl.where(nonfinite != 0, nan_like(s_dec), s_dec), mask=row_ok)
-    scale_f32 = tl.minimum(
-        bmax * (s_enc * SIXTH_F32)[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL
-    )
-    scale_code = f32_to_e4m3_rne(scale_f32)
-    block_dec = e4m3_to_f32(scale_code) * s_dec[:, None]
-    encode = tl.minimum(
-        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
-        FLT_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )[:, :, None]
+    scale_code, encode = _block_scales(bmax, s_enc, s_dec)
+    encode = encode[:, :, None]
     # lo, hi finite and encode in (0, FLT_MAX]: the products are never NaN.
     p_lo = lo * encode
     p_hi = hi * encode
