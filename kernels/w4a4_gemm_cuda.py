@@ -45,6 +45,12 @@ _SMEM_BUDGET = 64 << 10
 _RING = 4
 #: Byte offsets between B's core matrices along K (LBO) and along the rows (SBO).
 LBO, SBO = 128, 256
+#: Wide-M kernels (``WS_KERNEL`` in the CUDA source): (batch rows per CTA, consumer warpgroups,
+#: producer warpgroups); a stage holds a decoded 64 x 128 weight chunk and an activation chunk,
+#: as many stages as fit ``_WS_RING_BYTES`` (at most 8; ``WsShape`` in the CUDA source).
+_WS_BLOCK_MS = (128, 256)
+_WS_WEIGHT_CHUNK = ROWS * 256
+_WS_RING_BYTES = 204800
 
 
 class _Params(ctypes.Structure):
@@ -80,36 +86,51 @@ class _Params(ctypes.Structure):
 
 class Plan(NamedTuple):
     """How one GEMM runs: the kernel family, batch rows per CTA, fold chunks per CTA, the split
-    count (the cluster size, small M) and the warpgroups per CTA (mid M)."""
+    count (the cluster size, small M), the (consumer) warpgroups per CTA (mid M, wide M) and the
+    producer warpgroups (wide M)."""
 
-    family: str  # "small" or "mid"
+    family: str  # "small", "mid" or "ws" (wide M, warp-specialized)
     block_m: int
     per_split: int
     splits: int
     warpgroups: int = 1
+    producers: int = 0
 
     def kernel_name(self, even_k: bool) -> str:
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
-        else:
+        elif self.family == "mid":
             shape = f"mid_m{self.block_m}_w{self.warpgroups}"
+        else:
+            shape = f"ws_n{self.block_m}_c{self.warpgroups}_p{self.producers}"
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
+
+    def threads(self) -> int:
+        return 128 * (self.warpgroups + self.producers)
 
     def smem(self) -> int:
         """Dynamic shared memory per CTA (bytes)."""
         if self.family == "small":
             return self.per_split * self.block_m * 1024
+        if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
+            stage = _WS_WEIGHT_CHUNK + self.block_m * 256
+            stages = min(8, _WS_RING_BYTES // stage)
+            return stages * (stage + 16)
         # each warpgroup's ring of decoded activation chunks; with two, two exchange buffers of
         # both warpgroups' partials
         chunks = self.warpgroups * _RING + (4 if self.warpgroups == 2 else 0)
         return chunks * self.block_m * 256
 
 
+#: Every wide-M kernel, (batch rows per CTA, consumer, producer warpgroups).
+WS_PLANS = (Plan("ws", 64, 1, 1, 1, 2), Plan("ws", 128, 1, 1, 2, 2), Plan("ws", 256, 1, 1, 2, 1))
+
+
 def _kernel_names() -> list[str]:
     small = [Plan("small", b, 1, s) for b in _BLOCK_MS for s in _SPLITS]
     mid = [Plan("mid", b, 1, 1, w) for b in _MID_BLOCK_MS for w in (1, 2)]
-    gemms = [p.kernel_name(e) for p in small + mid for e in (False, True)]
-    return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS]
+    gemms = [p.kernel_name(e) for p in small + mid + list(WS_PLANS) for e in (False, True)]
+    return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS + _WS_BLOCK_MS]
 
 
 @functools.cache
@@ -129,16 +150,20 @@ def serves(a, w, y: torch.Tensor) -> bool:
         return False
     if not available(a.codes.device):
         return False
-    return mode == "on" or preferred(a.rows, w.rows, w.cols, _sms(a.codes.device))
+    sms = _sms(a.codes.device)
+    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws_fits(w))
 
 
-def preferred(m: int, n: int, k: int, sms: int) -> bool:
+def preferred(m: int, n: int, k: int, sms: int, ws: bool = True) -> bool:
     """Whether an M x N x K GEMM measured faster here than in the Triton kernel (the ``auto``
-    mode's choice; H200 figures in benchmarks/NOTES_kernels.md)."""
+    mode's choice; ``ws``: the wide-M kernel can read the weight; H200 figures in
+    benchmarks/NOTES_kernels.md)."""
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
     if m <= SMALL_MAX_M or m > MAX_M:
         return False
+    if ws and k % 32 == 0 and _ws_wanted(m, n, sms):
+        return True
     ctas = triton.cdiv(m, 32 if m <= 32 else 64) * triton.cdiv(n, ROWS)
     if m <= 32:
         return ctas >= 2 * sms
@@ -166,14 +191,53 @@ def supports(a, w, y: torch.Tensor) -> bool:
     return y.dtype in _OUT_KINDS and aligned and plan(a.rows, w.rows, a.cols, 132) is not None
 
 
+def ws_fits(w) -> bool:
+    """Whether the wide-M kernel can read this weight: 16-byte rows of codes (K % 32 == 0, aligned
+    storage) and 2-byte pairs of scales."""
+    codes, scales = w.codes, w.scales
+    return (
+        w.cols % 32 == 0
+        and codes.data_ptr() % 16 == 0
+        and codes.stride(0) % 16 == 0
+        and scales.data_ptr() % 2 == 0
+        and scales.stride(0) % 2 == 0
+    )
+
+
+def _ws_wanted(m: int, n: int, sms: int) -> bool:
+    """Where the wide-M kernel measured fastest: every M > 64; 32 < M <= 64 while its grid (one
+    CTA per 64 weight rows) fills 0.6 to 1 wave."""
+    return m > 64 or (m > 32 and 6 * sms <= 10 * triton.cdiv(n, ROWS) <= 10 * sms)
+
+
+def _ws_plan(m: int, n: int, sms: int) -> Plan:
+    """The wide-M kernel's batch tile: the smallest (of those up to M's next power of two) whose
+    grid fits one wave, else the largest."""
+    candidates = [p for p in WS_PLANS if p.block_m // 2 < m] or [WS_PLANS[0]]
+    for p in candidates:
+        if triton.cdiv(m, p.block_m) * triton.cdiv(n, ROWS) <= sms:
+            return p
+    return candidates[-1]
+
+
 def plan(
-    m: int, n: int, k: int, sms: int, splits: int | None = None, warpgroups: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    sms: int,
+    splits: int | None = None,
+    warpgroups: int | None = None,
+    ws: bool = True,
 ) -> Plan | None:
     """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` / ``warpgroups`` force the cluster
-    size / the warpgroups per CTA: probes, tests); None when the kernels cannot serve it (M too
-    large, K too long for a cluster's shared memory)."""
+    size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws``: the
+    wide-M kernel can read the weight, see :func:`ws_fits`); None when the kernels cannot serve
+    it (M too large, K too long for a cluster's shared memory)."""
     if m > MAX_M:
         return None
+    wide = splits is None and warpgroups is None and ws and k % 32 == 0
+    if m > SMALL_MAX_M and wide and _ws_wanted(m, n, sms):
+        return _ws_plan(m, n, sms)
     if m > SMALL_MAX_M:  # mid M: never split (it measured slower at every shape)
         bm = next((b for b in _MID_BLOCK_MS if m <= b), _MID_BLOCK_MS[-1])
         if warpgroups is None:  # two per CTA while the grid is one CTA per SM at most
@@ -203,19 +267,23 @@ def gemm(
     phase_times=None,
     splits: int | None = None,
     warpgroups: int | None = None,
+    how: Plan | None = None,
 ) -> None:
     """``y = a @ w.T`` with the contract's epilogue (``y`` preallocated [M, N]). ``phase_times``
     (int64 [CTAs, 4], diagnostics, small-M kernel): a build that records each CTA's start, staged
     activation, main-loop end and finish on the GPU's global timer. ``splits`` / ``warpgroups``
-    force the cluster size / the warpgroups per CTA (probes, tests; same bits)."""
+    force the cluster size / the warpgroups per CTA, ``how`` the whole plan (probes, tests; same
+    bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    how = plan(m, n, k, sms, splits, warpgroups)
+    how = how or plan(m, n, k, sms, splits, warpgroups, ws_fits(w))
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
             f"warpgroups={warpgroups}"
         )
+    if how.family == "ws" and not ws_fits(w):
+        raise ValueError("the wide-M CUDA C++ GEMM needs K % 32 == 0 and 16-byte aligned codes")
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
@@ -225,7 +293,7 @@ def gemm(
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = None
-    if how.family == "mid":  # the activation decoded once into its shared-memory image
+    if how.family != "small":  # the activation decoded once into its shared-memory image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
@@ -253,4 +321,4 @@ def gemm(
     kernel = kernels[how.kernel_name(k % CHUNK == 0)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
-    kernel.launch(grid, 128 * how.warpgroups, how.smem(), p, device, pdl=True)
+    kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

@@ -647,3 +647,291 @@ MID_M_KERNEL(32, 1)
 MID_M_KERNEL(32, 2)
 MID_M_KERNEL(64, 1)
 MID_M_KERNEL(64, 2)
+
+// ---- Wide M (warp-specialized): producer warpgroups decode the weight into shared memory ----
+//
+// Same K order and fold as above. A CTA computes WS_ROWS = 64 weight rows x BN batch rows over the
+// whole K. PROD producer warpgroups fill a STAGES-deep ring, one 128-element chunk per stage: the
+// chunk's activation block (BN x 256 B of the image `w4a4_decode_act` wrote, one bulk copy) and the
+// weight chunk decoded from its codes into wgmma's shared-memory A layout (64 x 256 B); producer
+// warpgroup i fills chunks i, i + PROD, ... CONS consumer warpgroups issue the wgmma chains with
+// both operands in shared memory (m64 n(BN / CONS) k16; consumer c takes batch rows c * BN / CONS
+// onward), each folding its own accumulator. Full / empty barriers per stage (mbarrier), so the
+// decode of chunk j + STAGES - 1 overlaps the tensor-core work of chunk j. Grid: (M tiles, N tiles).
+
+#define WS_ROWS 64
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+// One arrival that also announces `bytes` of asynchronous copies completing on the barrier.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+          bar),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16) from global to this CTA's shared memory, completing on
+// barrier `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_ss(Acc<32>& c, u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(WGMMA_HEAD(18) "32k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+               "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]), "+f"(c.d[5]),
+                 "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]), "+f"(c.d[10]), "+f"(c.d[11]),
+                 "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]), "+f"(c.d[15])
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss(Acc<64>& c, u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(WGMMA_HEAD(34) "64k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,"
+               "%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]), "+f"(c.d[5]),
+                 "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]), "+f"(c.d[10]), "+f"(c.d[11]),
+                 "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]), "+f"(c.d[15]), "+f"(c.d[16]), "+f"(c.d[17]),
+                 "+f"(c.d[18]), "+f"(c.d[19]), "+f"(c.d[20]), "+f"(c.d[21]), "+f"(c.d[22]), "+f"(c.d[23]),
+                 "+f"(c.d[24]), "+f"(c.d[25]), "+f"(c.d[26]), "+f"(c.d[27]), "+f"(c.d[28]), "+f"(c.d[29]),
+                 "+f"(c.d[30]), "+f"(c.d[31])
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss(Acc<128>& c, u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(WGMMA_HEAD(66) "128k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,"
+               "%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,"
+               "%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"
+               "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]), "+f"(c.d[5]),
+                 "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]), "+f"(c.d[10]), "+f"(c.d[11]),
+                 "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]), "+f"(c.d[15]), "+f"(c.d[16]), "+f"(c.d[17]),
+                 "+f"(c.d[18]), "+f"(c.d[19]), "+f"(c.d[20]), "+f"(c.d[21]), "+f"(c.d[22]), "+f"(c.d[23]),
+                 "+f"(c.d[24]), "+f"(c.d[25]), "+f"(c.d[26]), "+f"(c.d[27]), "+f"(c.d[28]), "+f"(c.d[29]),
+                 "+f"(c.d[30]), "+f"(c.d[31]), "+f"(c.d[32]), "+f"(c.d[33]), "+f"(c.d[34]), "+f"(c.d[35]),
+                 "+f"(c.d[36]), "+f"(c.d[37]), "+f"(c.d[38]), "+f"(c.d[39]), "+f"(c.d[40]), "+f"(c.d[41]),
+                 "+f"(c.d[42]), "+f"(c.d[43]), "+f"(c.d[44]), "+f"(c.d[45]), "+f"(c.d[46]), "+f"(c.d[47]),
+                 "+f"(c.d[48]), "+f"(c.d[49]), "+f"(c.d[50]), "+f"(c.d[51]), "+f"(c.d[52]), "+f"(c.d[53]),
+                 "+f"(c.d[54]), "+f"(c.d[55]), "+f"(c.d[56]), "+f"(c.d[57]), "+f"(c.d[58]), "+f"(c.d[59]),
+                 "+f"(c.d[60]), "+f"(c.d[61]), "+f"(c.d[62]), "+f"(c.d[63])
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <int BN>
+struct WsShape {
+  static constexpr int W_BYTES = WS_ROWS * 256;  // one decoded weight chunk
+  static constexpr int A_BYTES = BN * 256;       // one activation chunk of the image
+  static constexpr int STAGE = W_BYTES + A_BYTES;
+  static constexpr int STAGES = 204800 / STAGE < 8 ? 204800 / STAGE : 8;  // w4a4_gemm_cuda.py
+};
+
+// The codes of one producer thread for one chunk: rows r and r + 32, each 16 bytes (code words
+// 4u..4u+3, scale blocks 2u, 2u + 1 of the chunk; u = the thread's quarter of the row), zeros past
+// K. Four threads read a row's 64 bytes side by side: coalesced.
+struct WsRaw {
+  uint4 w[2];
+  u32 s[2];
+};
+
+// A producer thread's two weight rows (clamped to N: rows past it are never stored).
+struct WsRows {
+  const u32* w[2];
+  const unsigned char* s[2];
+};
+
+template <bool EVEN_K>
+__device__ __forceinline__ void ws_load(const WsRows& rows, int ch, int u, int K, WsRaw& r) {
+  const bool ok = EVEN_K || ch * 128 + 32 * u + 32 <= K;  // K % 32 == 0 (the host checks)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    u32 sc = 0;
+    if (ok) {
+      v = __ldg((const uint4*)(rows.w[i] + ch * 16 + 4 * u));
+      sc = __ldg((const unsigned short*)(rows.s[i] + ch * 8 + 2 * u));
+    }
+    r.w[i] = v;
+    r.s[i] = sc;
+  }
+}
+
+// Decode into the stage's weight block: step q, core matrix (row / 8, u / 2), row % 8, bytes
+// 8 (u % 2) onward: the k-positions 4u..4u+3 of stream q.
+__device__ __forceinline__ void ws_decode_store(const Params& p, const WsRaw& r,
+                                                unsigned char* wstage, int row, int u) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    u32 lo[8], hi[8];
+    decode_pair(r.w[i].x, r.w[i].y, r.s[i] & 0xFFu, lo);
+    decode_pair(r.w[i].z, r.w[i].w, r.s[i] >> 8, hi);
+    const int rr = row + 32 * i;
+    unsigned char* dst = wstage + (rr / 8) * p.sbo + (u / 2) * p.lbo + (rr % 8) * 16 + (u % 2) * 8;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) *(uint2*)(dst + q * (WS_ROWS * 32)) = make_uint2(lo[q], hi[q]);
+  }
+}
+
+// Codes of the producer's next RAW_DEPTH chunks are in registers, and its chunks up to
+// L2_AHEAD ahead are prefetched into L2: one CTA per SM needs that many bytes in flight to stream
+// the weight at DRAM speed.
+#define RAW_DEPTH 4
+#define L2_AHEAD 16
+
+template <int BN, int PROD, int B, bool EVEN_K>
+__device__ __forceinline__ void ws_produce(const Params& p, unsigned char* smem, u32 base,
+                                           const WsRows& rows, WsRaw (&raw)[RAW_DEPTH], int j,
+                                           int row, int u, int tid) {
+  using S = WsShape<BN>;
+  const int s = j % S::STAGES, round = j / S::STAGES;
+  const u32 full = base + S::STAGES * S::STAGE + 8 * s, empty = full + 8 * S::STAGES;
+  if (j + L2_AHEAD < p.a_chunks) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w[0] + (j + L2_AHEAD) * 16 + 4 * u));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w[1] + (j + L2_AHEAD) * 16 + 4 * u));
+  }
+  if (round > 0) mbar_wait(empty, (round - 1) & 1);
+  if (tid == 0) {
+    mbar_expect_tx(full, S::A_BYTES);
+    const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + j) * S::A_BYTES;
+    bulk_copy(base + s * S::STAGE + S::W_BYTES, src, S::A_BYTES, full);
+  }
+  ws_decode_store(p, raw[B], smem + s * S::STAGE, row, u);
+  if (j + RAW_DEPTH * PROD < p.a_chunks)
+    ws_load<EVEN_K>(rows, j + RAW_DEPTH * PROD, u, p.K, raw[B]);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for the consumers' wgmma
+  mbar_arrive(full);
+}
+
+template <int BN, int CONS, int PROD, bool EVEN_K>
+__device__ __forceinline__ void gemm_ws(const Params& p) {
+  using S = WsShape<BN>;
+  constexpr int NW = BN / CONS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 base = (u32)__cvta_generic_to_shared(smem);
+  const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
+  const int n_j = p.a_chunks;
+  // the warpgroup index through a shuffle: warp-uniform for the compiler, so the role branch below
+  // does not count as divergent around the wgmma
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
+  const int n0 = blockIdx.y * WS_ROWS;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::STAGES; ++s) {
+      mbar_init(bars + 8 * s, 128 + 1);                  // a producer warpgroup + the bulk copy
+      mbar_init(bars + 8 * (S::STAGES + s), 128 * CONS);  // every consumer thread
+    }
+  }
+  __syncthreads();
+  if (wg < PROD) {
+    const int row = tid >> 2, u = tid & 3;  // rows row and row + 32, quarter u of each
+    WsRows rows;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const long long r = min(n0 + row + 32 * i, p.N - 1);
+      rows.w[i] = p.w_words + r * p.stride_ww;
+      rows.s[i] = p.w_scales + r * p.stride_ws;
+    }
+    // the weight is no previous kernel's output: fetch it before waiting for that kernel
+    for (int j = wg; j < n_j && j < L2_AHEAD; j += PROD) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w[0] + j * 16 + 4 * u));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.w[1] + j * 16 + 4 * u));
+    }
+    WsRaw raw[RAW_DEPTH];
+#pragma unroll
+    for (int i = 0; i < RAW_DEPTH; ++i)
+      if (wg + i * PROD < n_j) ws_load<EVEN_K>(rows, wg + i * PROD, u, p.K, raw[i]);
+    wait_previous_kernel();
+    int j = wg;
+    for (; j + 3 * PROD < n_j; j += 4 * PROD) {
+      ws_produce<BN, PROD, 0, EVEN_K>(p, smem, base, rows, raw, j, row, u, tid);
+      ws_produce<BN, PROD, 1, EVEN_K>(p, smem, base, rows, raw, j + PROD, row, u, tid);
+      ws_produce<BN, PROD, 2, EVEN_K>(p, smem, base, rows, raw, j + 2 * PROD, row, u, tid);
+      ws_produce<BN, PROD, 3, EVEN_K>(p, smem, base, rows, raw, j + 3 * PROD, row, u, tid);
+    }
+    if (j < n_j) ws_produce<BN, PROD, 0, EVEN_K>(p, smem, base, rows, raw, j, row, u, tid);
+    j += PROD;
+    if (j < n_j) ws_produce<BN, PROD, 1, EVEN_K>(p, smem, base, rows, raw, j, row, u, tid);
+    j += PROD;
+    if (j < n_j) ws_produce<BN, PROD, 2, EVEN_K>(p, smem, base, rows, raw, j, row, u, tid);
+    return;
+  }
+  wait_previous_kernel();
+  const int c = wg - PROD;
+  const int lane = tid & 31, warp = tid >> 5;
+  Acc<NW> part, acc;
+#pragma unroll
+  for (int i = 0; i < NW / 2; ++i) {
+    part.d[i] = 0.f;
+    acc.d[i] = 0.f;
+  }
+  // Per fold chunk: its chunks' chains into `part` (the first from zero), each chunk's stage
+  // released once the next chain is issued and the previous one has completed; then the fold.
+  for (int j = 0; j < n_j;) {
+    const int j_end = min(j + FOLD_CHUNKS, n_j);
+    int pending = -1;  // the stage whose chain may still be in flight
+    for (int first = 1; j < j_end; ++j, first = 0) {
+      const int s = j % S::STAGES;
+      mbar_wait(bars + 8 * s, (j / S::STAGES) & 1);
+      const u64 desc_a = smem_desc(base + s * S::STAGE, p.lbo, p.sbo);
+      const u64 desc_b =
+          smem_desc(base + s * S::STAGE + S::W_BYTES + c * (NW / 8) * p.sbo, p.lbo, p.sbo);
+      wgmma_fence();  // no fence_acc here: touching `part` would make ptxas wait for the chain
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        wgmma_ss(part, desc_a + (u64)(q * WS_ROWS * 2), desc_b + (u64)(q * BN * 2),
+                 (q == 0 && first) ? 0 : 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (pending >= 0) mbar_arrive(bars + 8 * (S::STAGES + pending));
+      pending = s;
+    }
+    wgmma_wait<0>();
+    fence_acc(part);
+    mbar_arrive(bars + 8 * (S::STAGES + pending));
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], part.d[i]);
+  }
+  store_out<NW>(p, acc, n0 + 16 * warp, blockIdx.x * BN + c * NW, lane >> 2, lane & 3);
+}
+
+#define WS_KERNEL(BN, CONS, PROD)                                                            \
+  extern "C" __global__ void __launch_bounds__(128 * (CONS + PROD), 1)                       \
+      w4a4_ws_n##BN##_c##CONS##_p##PROD(const Params p) {                                    \
+    gemm_ws<BN, CONS, PROD, false>(p);                                                       \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(128 * (CONS + PROD), 1)                       \
+      w4a4_ws_n##BN##_c##CONS##_p##PROD##_even_k(const Params p) {                           \
+    gemm_ws<BN, CONS, PROD, true>(p);                                                        \
+  }
+// (Measured on the H200 against (64, 1, 1), (64, 2, 1), (64, 2, 2), (128, 2, 1): these were the
+// fastest per batch tile; benchmarks/NOTES_kernels.md.)
+WS_KERNEL(64, 1, 2)
+WS_KERNEL(128, 2, 2)
+WS_KERNEL(256, 2, 1)
+
+extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m128(const Params p) {
+  decode_act_image<128>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m256(const Params p) {
+  decode_act_image<256>(p);
+}

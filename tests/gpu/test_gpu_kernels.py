@@ -303,15 +303,16 @@ def test_w4a4_linear_matches_cpu_path() -> None:
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
     """The CUDA C++ GEMMs (wgmma with the weight decoded into registers; small M with the whole
-    activation slice staged, mid M through a ring) give the Triton decode GEMM's bits: every M
-    they serve, every split count, K not a multiple of 128, N not of 64, bias, per-row and
+    activation slice staged, mid M through a ring; wide M with producer warpgroups decoding the
+    weight into shared memory) give the Triton decode GEMM's bits: every M they serve, every
+    split count and wide-M tile, K not a multiple of 128, N not of 64, bias, per-row and
     per-tensor activation scales, heavy tails, CUDA graphs."""
     from minite_kernels import w4a4_gemm_cuda
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
 
     monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     assert w4a4_gemm_cuda.available(torch.device("cuda")), w4a4_gemm_cuda._broken(0)
-    for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (768, 4096)):
+    for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (136, 2080), (768, 4096)):
         w = quantize_nvfp4(_make("normal", n, k, n).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
         for m in (1, 2, 5, 8, 9, 16, 17, 33, 64, 100, 256):
@@ -326,11 +327,17 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
                     w4a4_gemm_cuda.gemm(a, w, bias, got, 132, splits=splits, warpgroups=wgs)
                     where = (n, k, m, kind, splits, wgs)
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                wide = kind == "heavy" and w4a4_gemm_cuda.ws_fits(w)
+                for how in w4a4_gemm_cuda.WS_PLANS if wide else ():
+                    got = torch.full_like(want, float("nan"))
+                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
+                    where = (n, k, m, how)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
     # captured and replayed in a CUDA graph, on new inputs
     w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
-    for rows in (4, 100):  # the small-M and the mid-M kernel (its activation decode too)
+    for rows in (4, 40, 100):  # the small-, mid- and wide-M kernels (the activation decode too)
         x = torch.zeros(rows, 2048, device="cuda", dtype=torch.bfloat16)
         nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
         graph = torch.cuda.CUDAGraph()
