@@ -38,7 +38,7 @@ from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from minite_common import grouped_w4a4_linear, ops
+from minite_common import ops
 
 from .engine_patches import (
     STRICT_LOGITS,
@@ -53,6 +53,7 @@ from .strict_attention import (
     register_strict_attention_backend,
     strict_attention_selected,
 )
+from .strict_forward import rotate, routed_experts
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -154,8 +155,8 @@ class StrictRMSNorm(_StrictForward, RMSNorm):
 
 
 class StrictRotaryEmbedding(_StrictForward, RotaryEmbedding):
-    """vLLM's ``RotaryEmbedding``; in strict mode :func:`ops.rope_cos_sin` + :func:`ops.apply_rope`
-    (NeoX layout) on each token's position."""
+    """vLLM's ``RotaryEmbedding``; in strict mode :func:`~minite_vllm.strict_forward.rotate`
+    (:func:`ops.rope_cos_sin` + :func:`ops.apply_rope`, NeoX layout) on each token's position."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -166,14 +167,7 @@ class StrictRotaryEmbedding(_StrictForward, RotaryEmbedding):
     def forward_strict(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cos, sin = ops.rope_cos_sin(positions.reshape(-1), self.rotary_dim, self.base)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, rotary_dim/2]: one row per token
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            heads = x.reshape(x.shape[0], -1, self.head_size)
-            return ops.apply_rope(heads, cos, sin).reshape(x.shape)
-
-        return rotate(query), None if key is None else rotate(key)
+        return rotate(positions, query, key, self.head_size, self.rotary_dim, self.base)
 
 
 class StrictSiluAndMul(_StrictForward, SiluAndMul):
@@ -273,8 +267,9 @@ class StrictBF16LinearMethod(MiniteBF16LinearMethod):
 class StrictMoEMethod(MiniteMoEMethod):
     """NVFP4 routed experts whose routing, activation and combine are :mod:`minite_common.ops`.
 
-    It takes the router logits itself (a "monolithic" method): :func:`ops.topk_routing`, each
-    (token, expert) row through the expert's NVFP4 GEMMs, :func:`ops.silu_mul`,
+    It takes the router logits itself (a "monolithic" method) and runs
+    :func:`~minite_vllm.strict_forward.routed_experts`: :func:`ops.topk_routing`, each
+    (token, expert) row through the expert's NVFP4 GEMMs, :func:`ops.swiglu`,
     :func:`ops.moe_combine` in slot order.
     """
 
@@ -299,22 +294,16 @@ class StrictMoEMethod(MiniteMoEMethod):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise NotImplementedError(f"miniTE strict mode ({layer.layer_name}): {bad}")
-        tokens = x.shape[0]
-        if tokens == 0:
-            return x.new_zeros(0, self.hidden)
-        weights, ids = ops.topk_routing(router_logits, layer.top_k, layer.renormalize)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        group_sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, order // layer.top_k)
-        gate_up = grouped_w4a4_linear(
-            rows, self.gemm_weight(layer, "w13_"), group_sizes, recipe=self.recipe
+        combined = routed_experts(
+            x,
+            router_logits,
+            layer.top_k,
+            layer.renormalize,
+            self.gemm_weight(layer, "w13_"),
+            lambda act, group_sizes: self.down_proj(layer, act, group_sizes),
+            self.num_experts,
+            self.recipe,
         )
-        act = ops.swiglu(gate_up)
-        down = self.down_proj(layer, act, group_sizes)
-        per_slot = torch.empty_like(down)
-        per_slot[order] = down
-        combined = ops.moe_combine(per_slot.view(tokens, layer.top_k, self.hidden), weights)
         return self.tp_output(combined)
 
 

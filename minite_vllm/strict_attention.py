@@ -8,8 +8,9 @@ CUSTOM``, which strict mode requires. The backend owns its KV-cache convention (
 layer's ``[blocks, kv_heads, block_size, head_size + head_size_v]`` view holds a token's key, then
 its value, bits unchanged) and its metadata (built from vLLM's ``CommonAttentionMetadata``), so it
 depends on no other backend's private layout. Each request's queries attend its keys
-``0..seq_len-1`` read back from the cache through :func:`minite_common.ops.causal_attention`: a
-decode step gives the bits of the full-sequence pass at that position.
+``0..seq_len-1`` read back from the cache through :func:`minite_common.ops.paged_attention`
+(:mod:`minite_vllm.strict_forward` holds the cache write and read, free of vLLM imports): a decode
+step gives the bits of the full-sequence pass at that position.
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from minite_common import ops
+from .strict_forward import cached_attention, write_kv_cache
 
 #: The qualified name vLLM's registry resolves ``AttentionBackendEnum.CUSTOM`` to.
 STRICT_BACKEND_PATH = "minite_vllm.strict_attention.StrictAttentionBackend"
-
-_PAD_SLOT = -1
 
 
 @dataclass
@@ -68,13 +67,8 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         )
 
 
-def _split_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value views ``[blocks, kv_heads, block_size, d]`` of a layer's cache."""
-    return kv_cache[..., :head_size], kv_cache[..., head_size:]
-
-
 class StrictAttentionImpl(AttentionImpl[StrictAttentionMetadata]):
-    """Causal decoder self-attention through :func:`ops.causal_attention` over the paged cache;
+    """Causal decoder self-attention through ``ops.paged_attention`` over the paged cache;
     refuses (at construction) ALiBi, sliding windows, soft-capping, sinks, a quantized KV cache,
     KV sharing and non-decoder attention."""
 
@@ -120,15 +114,7 @@ class StrictAttentionImpl(AttentionImpl[StrictAttentionMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Copy each token's key and value (bits unchanged) into its cache slot."""
-        key_cache, value_cache = _split_cache(kv_cache, self.head_size)
-        n = min(slot_mapping.shape[0], key.shape[0])
-        slots = slot_mapping[:n].long()
-        keep = slots != _PAD_SLOT
-        slots = slots[keep]
-        block_size = kv_cache.shape[2]
-        block, offset = slots // block_size, slots % block_size
-        key_cache[block, :, offset] = key[:n][keep].to(kv_cache.dtype)
-        value_cache[block, :, offset] = value[:n][keep].to(kv_cache.dtype)
+        write_kv_cache(key, value, kv_cache, self.head_size, slot_mapping)
 
     def forward(
         self,
@@ -147,24 +133,16 @@ class StrictAttentionImpl(AttentionImpl[StrictAttentionMetadata]):
             raise NotImplementedError("miniTE strict attention: fused output quantization")
         if attn_metadata is None:  # profiling run
             return output
-        key_cache, value_cache = _split_cache(kv_cache, self.head_size)
-        block_size = kv_cache.shape[2]
-        starts, seq_lens = attn_metadata.query_starts, attn_metadata.seq_lens
-        for i, length in enumerate(seq_lens):
-            start, end = starts[i], starts[i + 1]
-            if end == start:
-                continue
-            pos = torch.arange(length, device=query.device)
-            block = attn_metadata.block_table[i, pos // block_size].long()
-            offset = pos % block_size
-            output[start:end] = ops.causal_attention(
-                query[start:end],
-                key_cache[block, :, offset],
-                value_cache[block, :, offset],
-                pos[length - (end - start) :],
-                self.scale,
-            )
-        return output
+        return cached_attention(
+            query,
+            kv_cache,
+            self.head_size,
+            attn_metadata.block_table,
+            attn_metadata.query_starts,
+            attn_metadata.seq_lens,
+            self.scale,
+            output,
+        )
 
 
 class StrictAttentionBackend(AttentionBackend):

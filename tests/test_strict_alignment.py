@@ -505,3 +505,21 @@ def test_strict_sampler_and_learner_logprobs_are_bitwise_equal(strict_run, after
     assert report.summary["token_mult_prob_error"] == 1.0
     for sampler_lp, learner_lp in zip(r.logprobs, lp, strict=True):
         assert torch.equal(torch.tensor(sampler_lp, dtype=torch.float32), learner_lp)
+
+
+def test_strict_sampler_driver_gives_vllms_logprobs(strict_run, tiny_dense_dir, tiny_moe_dir):
+    """``minite.strict_sampler.StrictSampler`` (the stand-in for vLLM's scheduler, model runner,
+    model code and sampler that the GPU end-to-end test runs) gives the real strict vLLM engine's
+    log-prob bits on the tokens that engine sampled, under its own schedule (two sequences at a
+    time, 5-token prompt chunks, blocks of 4)."""
+    from minite.strict_sampler import StrictSampler
+
+    r = strict_run.rollouts
+    model_dir = tiny_dense_dir if strict_run.kind == "dense" else tiny_moe_dir
+    driver = StrictSampler(model_dir, STRICT_RECIPE, block_size=4, num_blocks=64, max_num_seqs=2,
+                           max_num_batched_tokens=8, max_prefill_chunk=5)  # fmt: skip
+    seqs, trace = driver.generate(r.prompts, arrivals=range(len(r.prompts)), forced=r.completions)
+    assert max(trace.prefill_chunks) >= 2 and trace.mixed_steps
+    for seq, completion, sampler_lp in zip(seqs, r.completions, r.logprobs, strict=True):
+        assert seq.completion == completion
+        assert torch.equal(seq.logprobs, torch.tensor(sampler_lp, dtype=torch.float32))
