@@ -1,8 +1,10 @@
-"""The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small and mid M: the weight
-decoded straight into wgmma's register operand, the activation decoded from its codes into shared
-memory (small M: the CTA's whole K slice at once; mid M: one 128-element chunk at a time through a
-two-chunk ring), split K over a thread-block cluster whose first CTA folds the partials from
-distributed shared memory. It computes the same bits as the Triton decode GEMM (contract v2 K
+"""The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small, mid and wide M: small and
+mid M decode the weight straight into wgmma's register operand (small M: the activation decoded
+from its codes into shared memory, split K over a thread-block cluster whose first CTA folds the
+partials from distributed shared memory; mid M: the activation decoded once by a first launch and
+streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
+shared memory and bulk-copy the decoded activation, consumer warpgroups run wgmma with both
+operands in shared memory). It computes the same bits as the Triton decode GEMM (contract v2 K
 order; tests pin this). By default it serves the shapes where it measured faster than the Triton
 kernel on the H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it
 supports, ``0`` turns it off; without NVRTC or nvcc the Triton kernel serves everything."""

@@ -1,4 +1,5 @@
-// W4A4 GEMM for small M on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC).
+// W4A4 GEMM for M <= 256 on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC): small M (this
+// section), mid M and wide M (warp-specialized; sections below).
 //
 // Same numbers as the Triton decode GEMM (kernels/w4a4_gemm.py, contract v2): Y^T = W @ A^T with
 // the weight decoded in registers straight into wgmma's A fragments (m64nBMk16, BF16, FP32
