@@ -21,7 +21,8 @@ import triton
 from . import cuda_jit
 from .nvfp4_decode import CHUNK, code_words
 
-#: Rows (M) up to which the CUDA C++ kernels can serve the dense GEMM (small-M kernel up to 16).
+#: Rows (M) up to which the small- and mid-M kernels serve the dense GEMM (small-M up to 16; the
+#: wide-M kernel up to WS_MAX_M).
 MAX_M = 256
 SMALL_MAX_M = 16
 #: Where the small-M kernel is the default (H200, benchmarks/NOTES_kernels.md): M <= 8 and at
@@ -53,6 +54,11 @@ LBO, SBO = 128, 256
 _WS_BLOCK_MS = (128, 256)
 _WS_WEIGHT_CHUNK = ROWS * 256
 _WS_RING_BYTES = 204800
+#: Measured time of one wide-M CTA per batch tile (N = K = 8192, H200), for the tile choice.
+_WS_CTA_US = {64: 37.0, 128: 47.0, 256: 80.0}
+#: The wide-M kernel also serves 256 < M <= WS_MAX_M where K >= _WS_WIDE_MIN_K.
+WS_MAX_M = 1024
+_WS_WIDE_MIN_K = 4096
 
 
 class _Params(ctypes.Structure):
@@ -162,7 +168,9 @@ def preferred(m: int, n: int, k: int, sms: int, ws: bool = True) -> bool:
     benchmarks/NOTES_kernels.md)."""
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
-    if m <= SMALL_MAX_M or m > MAX_M:
+    if m > MAX_M:
+        return ws and _ws_wide_serves(m, k)
+    if m <= SMALL_MAX_M:
         return False
     if ws and k % 32 == 0 and _ws_wanted(m, n, sms):
         return True
@@ -190,7 +198,8 @@ def available(device: torch.device) -> bool:
 def supports(a, w, y: torch.Tensor) -> bool:
     """Whether these operands fit the kernel (rows, K, alignment, output dtype)."""
     aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
-    return y.dtype in _OUT_KINDS and aligned and plan(a.rows, w.rows, a.cols, 132) is not None
+    how = plan(a.rows, w.rows, a.cols, 132, ws=ws_fits(w))
+    return y.dtype in _OUT_KINDS and aligned and how is not None
 
 
 def ws_fits(w) -> bool:
@@ -212,14 +221,20 @@ def _ws_wanted(m: int, n: int, sms: int) -> bool:
     return m > 64 or (m > 32 and 6 * sms <= 10 * triton.cdiv(n, ROWS) <= 10 * sms)
 
 
+def _ws_wide_serves(m: int, k: int) -> bool:
+    """Where the wide-M kernel also serves 256 < M <= 1024: K >= 4096 (faster than the Triton
+    kernels on every such shape measured; at K = 2048 it was not)."""
+    return m <= WS_MAX_M and k >= _WS_WIDE_MIN_K and k % 32 == 0
+
+
 def _ws_plan(m: int, n: int, sms: int) -> Plan:
-    """The wide-M kernel's batch tile: the smallest (of those up to M's next power of two) whose
-    grid fits one wave, else the largest."""
-    candidates = [p for p in WS_PLANS if p.block_m // 2 < m] or [WS_PLANS[0]]
-    for p in candidates:
-        if triton.cdiv(m, p.block_m) * triton.cdiv(n, ROWS) <= sms:
-            return p
-    return candidates[-1]
+    """The wide-M kernel's batch tile (of those up to M's next power of two): the one with the
+    least waves x measured CTA time (H200, N = K = 8192: 37, 47, 80 us for tiles of 64, 128,
+    256 rows), which picked the fastest tile on every shape measured."""
+    candidates = [p for p in WS_PLANS if p.block_m // 2 < m]
+    waves = [triton.cdiv(triton.cdiv(m, p.block_m) * triton.cdiv(n, ROWS), sms) for p in candidates]
+    costs = [w * _WS_CTA_US[p.block_m] for w, p in zip(waves, candidates, strict=True)]
+    return candidates[costs.index(min(costs))]
 
 
 def plan(
@@ -235,9 +250,9 @@ def plan(
     size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws``: the
     wide-M kernel can read the weight, see :func:`ws_fits`); None when the kernels cannot serve
     it (M too large, K too long for a cluster's shared memory)."""
-    if m > MAX_M:
-        return None
     wide = splits is None and warpgroups is None and ws and k % 32 == 0
+    if m > MAX_M:
+        return _ws_plan(m, n, sms) if wide and _ws_wide_serves(m, k) else None
     if m > SMALL_MAX_M and wide and _ws_wanted(m, n, sms):
         return _ws_plan(m, n, sms)
     if m > SMALL_MAX_M:  # mid M: never split (it measured slower at every shape)

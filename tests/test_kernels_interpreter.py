@@ -65,22 +65,40 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     assert w4a4_gemm_cuda.supports(a, w, y) and not w4a4_gemm_cuda.serves(a, w, y)
     assert w4a4_gemm_cuda.plan(16, 8192, 32768, 132) is None  # K too long for one cluster
-    # mid M: no split; two warpgroups per CTA while the grid fits one CTA per SM
-    assert w4a4_gemm_cuda.plan(64, 8192, 8192, 132) == ("mid", 64, 16, 1, 2)
-    assert w4a4_gemm_cuda.plan(128, 8192, 8192, 132).warpgroups == 1
-    assert w4a4_gemm_cuda.plan(17, 64, 16, 132).block_m == 32
-    assert w4a4_gemm_cuda.plan(257, 64, 16, 132) is None
+    plan = w4a4_gemm_cuda.plan
+    # mid M (when the wide-M kernel cannot read the weight): no split; two warpgroups per CTA
+    # while the grid fits one CTA per SM
+    assert plan(64, 8192, 8192, 132, ws=False) == ("mid", 64, 16, 1, 2, 0)
+    assert plan(128, 8192, 8192, 132, ws=False).warpgroups == 1
+    assert plan(17, 64, 16, 132).block_m == 32
+    assert plan(257, 64, 16, 132) is None
+    assert plan(257, 8192, 8192, 132, ws=False) is None
+    # wide M: the batch tile with the least waves x measured CTA time (the fastest measured)
+    assert plan(64, 8192, 8192, 132) == ("ws", 64, 1, 1, 1, 2)
+    assert plan(100, 8192, 8192, 132).family == "ws" and plan(17, 8192, 8192, 132).family == "mid"
+    tiles = {(m, n, k): plan(m, n, k, 132).block_m for m, n, k in (
+        (128, 8192, 8192), (256, 8192, 8192), (384, 8192, 8192), (1024, 8192, 8192),
+        (128, 2048, 4096), (256, 2048, 4096), (512, 2048, 4096), (256, 4096, 4096),
+        (256, 5120, 2048), (128, 24576, 4096), (384, 24576, 4096), (384, 4096, 12288))}  # fmt: skip
+    assert list(tiles.values()) == [128, 256, 128, 256, 64, 64, 128, 128, 256, 128, 128, 256]
+    assert plan(1025, 8192, 8192, 132) is None  # past WS_MAX_M: the Triton large-M kernel
+    assert plan(300, 5120, 2048, 132) is None  # K < 4096 above M = 256: the Triton kernel
+    assert plan(300, 8192, 8192 + 16, 132) is None  # K % 32 != 0: no wide-M kernel
+    w_odd = quantize_nvfp4(torch.randn(64, 2064), amax="tensor", block_2d=True)
+    assert w4a4_gemm_cuda.ws_fits(w) and not w4a4_gemm_cuda.ws_fits(w_odd)
     # the auto mode's choices (where each kernel measured faster than the Triton one)
-    assert w4a4_gemm_cuda.preferred(1, 5120, 2048, 132)
-    assert not w4a4_gemm_cuda.preferred(1, 8192, 8192, 132)
-    assert w4a4_gemm_cuda.preferred(64, 8192, 8192, 132)  # 128 CTAs
-    assert not w4a4_gemm_cuda.preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
-    assert not w4a4_gemm_cuda.preferred(64, 24576, 4096, 132)  # 384 CTAs: 1.5 waves
-    assert not w4a4_gemm_cuda.preferred(32, 8192, 8192, 132)
-    assert w4a4_gemm_cuda.preferred(32, 24576, 4096, 132)  # 384 CTAs
-    assert w4a4_gemm_cuda.preferred(65, 2048, 4096, 132)
-    assert w4a4_gemm_cuda.preferred(256, 2048, 4096, 132)  # 128 CTAs: one wave
-    assert not w4a4_gemm_cuda.preferred(256, 8192, 8192, 132)  # 512 CTAs
+    preferred = w4a4_gemm_cuda.preferred
+    assert preferred(1, 5120, 2048, 132)
+    assert not preferred(1, 8192, 8192, 132)
+    assert preferred(64, 8192, 8192, 132)  # wide M: 128 CTAs
+    assert not preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
+    assert not preferred(64, 24576, 4096, 132)  # 384 CTAs: 1.5 waves
+    assert not preferred(32, 8192, 8192, 132)
+    assert preferred(32, 24576, 4096, 132)  # mid M: 384 CTAs
+    assert preferred(65, 2048, 4096, 132)
+    assert preferred(256, 8192, 8192, 132) and preferred(1024, 24576, 4096, 132)
+    assert not preferred(256, 8192, 8192, 132, ws=False)  # mid M: 512 CTAs
+    assert not preferred(1024, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
 
 
 # ---- worker side (runs under TRITON_INTERPRET=1) ----

@@ -181,20 +181,29 @@ def test_gemm_odd_shapes_bias_every_element_written(out_dtype: torch.dtype) -> N
 def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
     from minite_kernels.w4a4_gemm import LARGE_M, DecodeConfig, LargeConfig, nvfp4_gemm_sm90
 
-    n, k = 768, 2064  # 5 fold chunks, the last one 16 elements
+    n = 768
+    # K = 2064: 5 fold chunks, the last one 16 elements (no wide-M kernel: K % 32 != 0); K = 4128:
+    # the wide-M kernel serves 65 <= M <= 1024, its tiles of 64, 128 and 256 rows
+    for k, ms in ((2064, (1, 3, 16, 17, 64, 65, 128, 257, LARGE_M, LARGE_M + 1, 4097)),
+                  (4128, (65, 100, 200, 257, 700, 1024, 1025))):  # fmt: skip
+        w = quantize_nvfp4(_make("normal", n, k, 1).cuda(), amax="tensor", block_2d=True)
+        pool = _make("heavy", 4097, k, 2).cuda().bfloat16()
+        probes = _make("normal", 3, k, 3).cuda().bfloat16()
+        alone = [w4a4_linear(p[None], w) for p in probes]
+        alone_f32 = [
+            nvfp4_gemm(quantize_nvfp4(p[None]), w, out_dtype=torch.float32) for p in probes
+        ]
+        for m in ms:  # every tile config
+            for pos in {0, m // 2, m - 1}:
+                for i, p in enumerate(probes):
+                    x = pool[:m].clone()
+                    x[pos] = p
+                    assert torch.equal(w4a4_linear(x, w)[pos], alone[i][0]), (k, m, pos, i)
+                    y = nvfp4_gemm(quantize_nvfp4(x), w, out_dtype=torch.float32)
+                    assert torch.equal(y[pos], alone_f32[i][0]), (k, m, pos, i)
+    k = 2064
     w = quantize_nvfp4(_make("normal", n, k, 1).cuda(), amax="tensor", block_2d=True)
     pool = _make("heavy", 4097, k, 2).cuda().bfloat16()
-    probes = _make("normal", 3, k, 3).cuda().bfloat16()
-    alone = [w4a4_linear(p[None], w) for p in probes]
-    alone_f32 = [nvfp4_gemm(quantize_nvfp4(p[None]), w, out_dtype=torch.float32) for p in probes]
-    for m in (1, 3, 16, 17, 64, 65, 128, 257, LARGE_M, LARGE_M + 1, 4097):  # every tile config
-        for pos in {0, m // 2, m - 1}:
-            for i, p in enumerate(probes):
-                x = pool[:m].clone()
-                x[pos] = p
-                assert torch.equal(w4a4_linear(x, w)[pos], alone[i][0]), (m, pos, i)
-                y = nvfp4_gemm(quantize_nvfp4(x), w, out_dtype=torch.float32)
-                assert torch.equal(y[pos], alone_f32[i][0]), (m, pos, i)
     # every tile configuration, decode variant and both paths give the same bits
     a = quantize_nvfp4(pool[:300])
     base = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=DecodeConfig(64, 16, 4, 4))
@@ -315,7 +324,7 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
     for n, k in ((8192, 8192), (200, 2064), (64, 16), (130, 528), (136, 2080), (768, 4096)):
         w = quantize_nvfp4(_make("normal", n, k, n).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
-        for m in (1, 2, 5, 8, 9, 16, 17, 33, 64, 100, 256):
+        for m in (1, 2, 5, 8, 9, 16, 17, 33, 64, 100, 256, 300, 700):
             for kind, amax in (("normal", "row"), ("heavy", "row"), ("blocks", "tensor")):
                 a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
                 want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
