@@ -154,12 +154,12 @@ def _broken(index: int) -> str | None:
 def serves(a, w, y: torch.Tensor) -> bool:
     """Whether this GEMM goes to the CUDA C++ kernel (the mode, the shape, the device)."""
     mode = cuda_jit.mode()
-    if mode == "off" or not supports(a, w, y):
+    ws = ws_fits(w)
+    if mode == "off" or not supports(a, w, y, ws):
         return False
     if not available(a.codes.device):
         return False
-    sms = _sms(a.codes.device)
-    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws_fits(w))
+    return mode == "on" or preferred(a.rows, w.rows, w.cols, _sms(a.codes.device), ws)
 
 
 def preferred(m: int, n: int, k: int, sms: int, ws: bool = True) -> bool:
@@ -195,10 +195,11 @@ def available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9 and _broken(index) is None
 
 
-def supports(a, w, y: torch.Tensor) -> bool:
-    """Whether these operands fit the kernel (rows, K, alignment, output dtype)."""
+def supports(a, w, y: torch.Tensor, ws: bool | None = None) -> bool:
+    """Whether these operands fit the kernel (rows, K, alignment, output dtype; ``ws``: the
+    result of :func:`ws_fits`, computed when None)."""
     aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
-    how = plan(a.rows, w.rows, a.cols, 132, ws=ws_fits(w))
+    how = plan(a.rows, w.rows, a.cols, 132, ws=ws_fits(w) if ws is None else ws)
     return y.dtype in _OUT_KINDS and aligned and how is not None
 
 
@@ -293,13 +294,14 @@ def gemm(
     bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    how = how or plan(m, n, k, sms, splits, warpgroups, ws_fits(w))
+    fits = ws_fits(w)
+    how = how or plan(m, n, k, sms, splits, warpgroups, fits)
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
             f"warpgroups={warpgroups}"
         )
-    if how.family == "ws" and not ws_fits(w):
+    if how.family == "ws" and not fits:
         raise ValueError("the wide-M CUDA C++ GEMM needs K % 32 == 0 and 16-byte aligned codes")
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
