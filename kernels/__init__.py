@@ -97,6 +97,16 @@ def quantize_grad_operands(x: torch.Tensor, **kwargs):
     return impl(x, **kwargs)
 
 
+def scale_rows(
+    acc: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, rows_per_scale: int = 0
+) -> torch.Tensor:
+    """``out_dtype(acc * scale[r // rows_per_scale])``: the backward GEMMs' epilogue (see
+    ``nvfp4_grad.scale_rows``)."""
+    from .nvfp4_grad import scale_rows as impl
+
+    return impl(acc, scale, out_dtype, rows_per_scale)
+
+
 def decoded_weight(w) -> torch.Tensor:
     """BF16 ``code * scale * 2^-7`` of an NVFP4 weight in natural order, cached per version."""
     from .nvfp4_grad import decoded_weight as impl

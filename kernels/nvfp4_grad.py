@@ -111,28 +111,23 @@ def _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE: tl.constex
 
 
 @triton.jit
-def _col_values(
-    x,
-    h_ptr,
-    RHT: tl.constexpr,
-    DOT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """float32 tile transposed to [BLOCK_C, BLOCK_R] (blocks of 16 tokens along the last axis),
-    after the RHT rounded to BF16 if RHT. DOT_BF16: the input is BF16, whose products with the
-    +-1/4 entries are exact, so a BF16 MMA with float32 accumulation computes the transform."""
-    xt = tl.trans(x)
+def _col_values(x, h_ptr, RHT: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_R: tl.constexpr):
+    """float32 tile [BLOCK_R, BLOCK_C] in place (blocks of 16 tokens along the first axis), after
+    the RHT rounded to BF16 if RHT: ``y[16b + j, c] = sum_i h[i, j] * x[16b + i, c]``, one dot of
+    the block-diagonal ``diag(h^T, ...)`` [BLOCK_R, BLOCK_R] with the tile. Each output's 16
+    nonzero products sit in one MMA step of 16 (the other steps add exact zeros), so the sum is
+    the 16-wide dot of the transposed layout. DOT_BF16: the input is BF16, whose products with
+    the +-1/4 entries are exact, so a BF16 MMA with float32 accumulation computes the transform."""
     if RHT:
-        flat = tl.reshape(xt, [BLOCK_C * BLOCK_R // 16, 16])
-        offs = tl.arange(0, 16)
-        h = tl.load(h_ptr + offs[:, None] * 16 + offs[None, :])
+        i = tl.arange(0, BLOCK_R)[:, None]
+        j = tl.arange(0, BLOCK_R)[None, :]
+        hbd = tl.load(h_ptr + (j % 16) * 16 + i % 16, mask=i // 16 == j // 16, other=0.0)
         if DOT_BF16:
-            y = tl.dot(flat.to(tl.bfloat16), h.to(tl.bfloat16))
+            y = tl.dot(hbd.to(tl.bfloat16), x.to(tl.bfloat16))
         else:
-            y = tl.dot(flat.to(tl.float32), h, input_precision="ieee")
-        return tl.reshape(_round_to_bf16(y), [BLOCK_C, BLOCK_R])
-    return xt.to(tl.float32)
+            y = tl.dot(hbd, x.to(tl.float32), input_precision="ieee")
+        return _round_to_bf16(y)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -182,15 +177,21 @@ def _qdq_tile(
     STOCHASTIC: tl.constexpr,
     P: tl.constexpr,
     Q: tl.constexpr,
+    AXIS: tl.constexpr,
 ):
-    """BF16 ``code * f32(scale)`` of a float32 tile [P, Q] quantized in blocks of 16 along the
-    last axis, recipe v1 (non-finite elements as 0, masked only when the operand's flag
-    ``nonfinite`` from pass 1 is set); ``offsets`` [P, Q] index the random draws."""
-    NB: tl.constexpr = Q // 16
+    """BF16 ``code * f32(scale)`` of a float32 tile [P, Q] quantized in blocks of 16 along axis
+    ``AXIS`` (1: 16 consecutive elements of a row, the row operand; 0: 16 consecutive rows of a
+    column, the col operand), recipe v1 (non-finite elements as 0, masked only when the
+    operand's flag ``nonfinite`` from pass 1 is set); ``offsets`` [P, Q] index the random draws."""
     if nonfinite != 0:
         v = tl.where(tl.abs(v) < INF, v, 0.0)
-    v3 = tl.reshape(v, [P, NB, 16])
-    bamax = tl.max(tl.abs(v3), axis=2)
+    if AXIS == 1:
+        v3 = tl.reshape(v, [P, Q // 16, 16])
+        offsets = tl.reshape(offsets, [P, Q // 16, 16])
+    else:
+        v3 = tl.reshape(v, [P // 16, 16, Q])
+        offsets = tl.reshape(offsets, [P // 16, 16, Q])
+    bamax = tl.max(tl.abs(v3), axis=AXIS + 1)  # [blocks...]: the 16 elements' axis removed
     scale_f32 = tl.minimum(bamax * (s_enc * SIXTH_F32), 448.0, propagate_nan=tl.PropagateNan.ALL)
     scale = e4m3_to_f32(f32_to_e4m3_rne(scale_f32))
     block_dec = scale * s_dec
@@ -200,27 +201,26 @@ def _qdq_tile(
         propagate_nan=tl.PropagateNan.ALL,
     )
     # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
-    scaled = v3 * encode[:, :, None]
+    scaled = v3 * tl.expand_dims(encode, AXIS + 1)
     a = tl.minimum(tl.abs(scaled), 6.0)
     if STOCHASTIC:
-        magnitude = e2m1_round_stochastic(a, _uniform(seed, tl.reshape(offsets, [P, NB, 16])))
+        magnitude = e2m1_round_stochastic(a, _uniform(seed, offsets))
     else:
         magnitude = e2m1_round_nearest(a)
     signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
-    q = signed.to(tl.float32, bitcast=True) * scale[:, :, None]
+    q = signed.to(tl.float32, bitcast=True) * tl.expand_dims(scale, AXIS + 1)
     return tl.reshape(q, [P, Q]).to(tl.bfloat16)
 
 
 @triton.jit
 def _tile_values(
-    x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, offs_r, offs_c,
+    x, col_scale_ptr, scale_stride, h_ptr, offs_c, C,
     COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """The row (``COL_OUT`` False) or col operand's float32 values of one tile of ``x``."""
-    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+    """The row (``COL_OUT`` False) or col operand's float32 values of the tile ``x``."""
     if COL_OUT:
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
+        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
     else:
         v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
     return v
@@ -233,41 +233,24 @@ def _magnitude_bits(v):
 
 
 @triton.jit
-def _tiles_amax(
+def _finite_amax_of_tiles(
     x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c,
     COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """(max |v| over the finite elements, 1.0 if any is NaN/Inf else 0.0) of the row
-    (``COL_OUT`` False) or col operand's values over TILES row tiles: an elementwise max of the
-    magnitudes' bits in registers, one reduction at the end; only when it finds a non-finite
-    element are the tiles read again with a masked maximum."""
-    if COL_OUT:
-        top = tl.zeros([BLOCK_C, BLOCK_R], tl.int32)
-    else:
-        top = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+    """max |v| over the finite elements of the row (``COL_OUT`` False) or col operand's values
+    over TILES row tiles (the slow path, taken only where a tile holds NaN/Inf)."""
+    amax = 0.0
     for i in range(TILES):
+        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
         v = _tile_values(
-            x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr,
-            (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R), offs_c,
-            COL_OUT, ROW_SCALE, RHT, DOT_BF16, BLOCK_R, BLOCK_C,
+            x, col_scale_ptr, scale_stride, h_ptr, offs_c, C, COL_OUT, ROW_SCALE, RHT, DOT_BF16,
+            BLOCK_R,
         )  # fmt: skip
-        top = tl.maximum(top, _magnitude_bits(v))
-    top_all = tl.max(tl.max(top, axis=1), axis=0)
-    amax = top_all.to(tl.float32, bitcast=True)
-    bad = 0.0
-    if top_all >= 0x7F800000:
-        amax = 0.0
-        for i in range(TILES):
-            v = _tile_values(
-                x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr,
-                (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R), offs_c,
-                COL_OUT, ROW_SCALE, RHT, DOT_BF16, BLOCK_R, BLOCK_C,
-            )  # fmt: skip
-            finite = tl.abs(v) < INF
-            amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
-        bad = 1.0
-    return amax, bad
+        finite = tl.abs(v) < INF
+        amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
+    return amax
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -291,22 +274,42 @@ def _grad_amax_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """Pass 1: atomic max of each output's amax and non-finite flag into ``stats``
-    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero. A program covers TILES tiles of
-    BLOCK_R rows (one reduction and one atomic per operand for all of them)."""
+    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero. A program reads TILES tiles of
+    BLOCK_R rows once for both operands: an elementwise max of the magnitudes' bits in
+    registers, one reduction and one atomic per operand at the end; only when it finds a
+    non-finite element are the tiles read again with a masked maximum."""
+    pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    args = (x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr)
+    top_row = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+    top_col = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
+    for i in range(TILES):
+        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+        if ROW:
+            v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+            top_row = tl.maximum(top_row, _magnitude_bits(v))
+        if COL:
+            v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
+            top_col = tl.maximum(top_col, _magnitude_bits(v))
+    args = (x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c)
     if ROW:
-        amax, bad = _tiles_amax(
-            *args, tl.program_id(0), offs_c, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R,
-            BLOCK_C,
-        )  # fmt: skip
+        top = tl.max(tl.max(top_row, axis=1), axis=0)
+        amax = top.to(tl.float32, bitcast=True)
+        bad = 0.0
+        if top >= 0x7F800000:
+            amax = _finite_amax_of_tiles(
+                *args, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R
+            )  # fmt: skip
+            bad = 1.0
         tl.atomic_max(stats_ptr + 0, amax)
         tl.atomic_max(stats_ptr + 1, bad)
     if COL:
-        amax, bad = _tiles_amax(
-            *args, tl.program_id(0), offs_c, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R,
-            BLOCK_C,
-        )  # fmt: skip
+        top = tl.max(tl.max(top_col, axis=1), axis=0)
+        amax = top.to(tl.float32, bitcast=True)
+        bad = 0.0
+        if top >= 0x7F800000:
+            amax = _finite_amax_of_tiles(*args, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
+            bad = 1.0
         tl.atomic_max(stats_ptr + 2, amax)
         tl.atomic_max(stats_ptr + 3, bad)
 
@@ -353,7 +356,7 @@ def _grad_qdq_kernel(
         if first:
             tl.store(decode_ptr + 0, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C, 1)
         ok = (offs_r < R)[:, None] & (offs_c < C)[None, :]
         out = row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
         tl.store(out, q, mask=ok)
@@ -362,11 +365,11 @@ def _grad_qdq_kernel(
         bad = tl.load(stats_ptr + 3)
         if first:
             tl.store(decode_ptr + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, bad, COL_SR, BLOCK_C, BLOCK_R)
+        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_col, bad, COL_SR, BLOCK_R, BLOCK_C, 0)
         ok = (offs_r < R_PAD)[:, None] & (offs_c < C)[None, :]
         out = col_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
-        tl.store(out, tl.trans(q), mask=ok)
+        tl.store(out, q, mask=ok)
 
 
 def seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -443,6 +446,42 @@ def quantize_grad_operands(
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
     )  # fmt: skip
     return row_out, col_out, decode
+
+
+@triton.jit
+def _scale_rows_kernel(acc_ptr, scale_ptr, out_ptr, C, ROWS_PER_SCALE, BLOCK: tl.constexpr):
+    """``out[r, c] = out_dtype(acc[r, c] * scale[r // ROWS_PER_SCALE])``, one row per program
+    along axis 0, BLOCK columns per program along axis 1."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    scale = tl.load(scale_ptr + r // ROWS_PER_SCALE)
+    row = r.to(tl.int64) * C
+    y = tl.load(acc_ptr + row + offs, mask=mask) * scale
+    tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_rows(
+    acc: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, rows_per_scale: int = 0
+) -> torch.Tensor:
+    """``out_dtype(acc * scale[r // rows_per_scale])`` of a contiguous float32 accumulator
+    [R, C] (one float32 product, one rounding: ``torch.mul``'s bits), ``scale`` float32 on the
+    device: one value (0-d or [1]) for every row, else one per ``rows_per_scale`` rows. The
+    backward GEMMs' epilogue in one pass at copy bandwidth (``torch.mul`` into a BF16 output
+    takes its slow mixed-dtype path, about 3x slower)."""
+    if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous():
+        raise ValueError(f"scale_rows: need a contiguous float32 [R, C], got {acc.dtype}")
+    rows, cols = acc.shape
+    scale = scale.reshape(-1).to(torch.float32)
+    per = rows_per_scale or max(rows, 1)
+    if scale.numel() != -(-rows // per):
+        raise ValueError(f"scale_rows: {scale.numel()} scales for {rows} rows, {per} per scale")
+    out = torch.empty(rows, cols, dtype=out_dtype, device=acc.device)
+    if acc.numel():
+        block = min(4096, triton.next_power_of_2(cols))
+        grid = (rows, triton.cdiv(cols, block))
+        _scale_rows_kernel[grid](acc, scale, out, cols, per, BLOCK=block, num_warps=8)
+    return out
 
 
 _DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

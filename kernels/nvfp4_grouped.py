@@ -73,7 +73,7 @@ def _grouped_grad_amax_kernel(
         tl.atomic_max(stats + 0, amax)
         tl.atomic_max(stats + 1, bad)
     if COL:
-        amax, bad = _finite_amax(_col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C))
+        amax, bad = _finite_amax(_col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R))
         tl.atomic_max(stats + 2, amax)
         tl.atomic_max(stats + 3, bad)
 
@@ -123,7 +123,7 @@ def _grouped_grad_qdq_kernel(
         if first:
             tl.store(decode_ptr + g * 2, tl.where(bad != 0, nan_like(s_dec), s_dec))
         v = _row_values(x, col_scale_ptr + g * C, 1, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C, 1)
         ok = (offs_r < r_end)[:, None] & (offs_c < C)[None, :]
         tl.store(row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :], q, mask=ok)
     if COL:
@@ -131,13 +131,13 @@ def _grouped_grad_qdq_kernel(
         bad = tl.load(stats + 3)
         if first:
             tl.store(decode_ptr + g * 2 + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R, BLOCK_C)
-        q = _qdq_tile(v, s_enc, s_dec, tl.trans(index), seed_col, bad, COL_SR, BLOCK_C, BLOCK_R)
+        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
+        q = _qdq_tile(v, s_enc, s_dec, index, seed_col, bad, COL_SR, BLOCK_R, BLOCK_C, 0)
         offs_p = p0 + tl.arange(0, BLOCK_R)
         p_end = p0 + (r_end - r0 + 15) // 16 * 16
         ok = (offs_p < p_end)[:, None] & (offs_c < C)[None, :]
         out = col_out + offs_p[:, None].to(tl.int64) * C + offs_c[None, :]
-        tl.store(out, tl.trans(q), mask=ok)
+        tl.store(out, q, mask=ok)
 
 
 @functools.lru_cache(maxsize=8)

@@ -23,6 +23,7 @@ import functools
 import os
 import weakref
 
+import minite_kernels
 import torch
 from minite_kernels.dispatch import kernel_arch
 
@@ -150,8 +151,6 @@ def hopper_grad_operands(
     operand's decode scale). Per-tensor amax and stochastic rounding of gradients as the recipe
     says, exactly like :func:`nvfp4_dgrad` / :func:`nvfp4_wgrad` (their torch quantizer).
     """
-    import minite_kernels
-
     stochastic = recipe.grad_stochastic_rounding
     seed = stochastic_rounding_seed(grad_out.device) if stochastic else 0
     g_row, g_col, g_dec = minite_kernels.quantize_grad_operands(
@@ -190,14 +189,13 @@ def _hopper_backward(
     float32 accumulators times the decode scales, one rounding to the output dtype."""
     ops = hopper_grad_operands(grad_out, x, w_q, recipe, need_dx, need_dw)
     dx = dw = None
-    if need_dx:
+    if need_dx:  # 128: the decoded weight's 2^-7
         acc = mm_f32(ops["g_row"], ops["w"])
-        dx = torch.empty(acc.shape, dtype=dx_dtype, device=acc.device)
-        torch.mul(acc, ops["g_dec"][0] * 128.0, out=dx)  # 128: the decoded weight's 2^-7
+        dx = minite_kernels.scale_rows(acc, ops["g_dec"][0] * 128.0, dx_dtype)
+        del acc
     if need_dw:
         acc = mm_f32(ops["g_col"].t(), ops["x_col"])
-        dw = torch.empty(acc.shape, dtype=dw_dtype, device=acc.device)
-        torch.mul(acc, ops["g_dec"][1] * ops["x_dec"][1], out=dw)
+        dw = minite_kernels.scale_rows(acc, ops["g_dec"][1] * ops["x_dec"][1], dw_dtype)
     return dx, dw
 
 

@@ -198,8 +198,8 @@ def _hopper_backward(
         scale = (g_dec[:, 0] * 128.0).repeat_interleave(
             torch.tensor(sizes, device=dev), output_size=tokens
         )
-        dx = torch.empty(tokens, k, dtype=dx_dtype, device=dev)
-        torch.mul(acc, scale[:, None], out=dx)
+        dx = minite_kernels.scale_rows(acc, scale, dx_dtype, rows_per_scale=1)
+        del acc
     if need_dw:
         _, x_col, x_dec = quantize_grouped_grad_operands(
             x, key, row=False, col=True, rht=_autograd.wgrad_rht_matrix(recipe, x.device)
@@ -211,8 +211,9 @@ def _hopper_backward(
                 _autograd.mm_f32(g_col[rows].t(), x_col[rows], acc[g])
             else:
                 acc[g].zero_()
-        dw = torch.empty(groups * n, k, dtype=dw_dtype, device=dev)
-        torch.mul(acc, (g_dec[:, 1] * x_dec[:, 1])[:, None, None], out=dw.view(groups, n, k))
+        dw = minite_kernels.scale_rows(
+            acc.view(groups * n, k), g_dec[:, 1] * x_dec[:, 1], dw_dtype, rows_per_scale=n
+        )
     return dx, dw
 
 

@@ -136,3 +136,34 @@ def test_stochastic_rounding_seed_follows_the_cuda_generator():
     other = grads()
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     assert not torch.equal(first[0], other[0])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_scale_rows_is_torch_mul_bitwise(out_dtype):
+    """The backward GEMMs' epilogue kernel gives ``torch.mul``'s bits: one scale for every row,
+    one per row, one per group of rows; NaN, Inf, magnitudes from 1e-30 to 1e33, columns past
+    a block; bad arguments raise."""
+    from minite_kernels import scale_rows
+
+    def same(got, want):  # equal values, NaN where torch has NaN (payloads may differ)
+        return torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            got.nan_to_num(), want.nan_to_num()
+        )
+
+    g = torch.Generator().manual_seed(7)
+    for rows, cols in ((3, 5000), (64, 4096), (130, 48)):
+        exponents = torch.randint(-30, 30, (rows, 1), generator=g)
+        acc = (torch.randn(rows, cols, generator=g) * 10.0**exponents).cuda()
+        acc[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2.0**-8])
+        one = torch.tensor(0.7310585975646973).cuda()
+        assert same(scale_rows(acc, one, out_dtype), torch.mul(acc, one).to(out_dtype))
+        per_row = torch.rand(rows, generator=g).cuda() * 1e3
+        got = scale_rows(acc, per_row, out_dtype, rows_per_scale=1)
+        assert same(got, (acc * per_row[:, None]).to(out_dtype))
+        per_group = per_row[: -(-rows // 2)]
+        want = (acc * per_group.repeat_interleave(2)[:rows, None]).to(out_dtype)
+        assert same(scale_rows(acc, per_group, out_dtype, rows_per_scale=2), want)
+    with pytest.raises(ValueError, match="float32"):
+        scale_rows(acc.bfloat16(), one, out_dtype)
+    with pytest.raises(ValueError, match="scales for"):
+        scale_rows(acc, per_row[:2], out_dtype, rows_per_scale=1)
