@@ -17,7 +17,9 @@ below computes exactly this, so a row's result depends on nothing else in the ba
   of a tile to finish (an atomic counter) folds all of them in chunk order and stores the tile.
   Whether and how much it splits changes the schedule, never the bits.
 - ``_bf16_gemm_kernel`` (M above ``LARGE_M``): both operands decoded once into BF16 scratch in the
-  same element order, then a BF16 GEMM running the same wgmma chain per chunk and the same fold.
+  same element order, then a BF16 GEMM running the same wgmma chain per chunk and the same fold,
+  its tiles loaded by the Tensor Memory Accelerator (TMA descriptors; plain loads in Triton's
+  interpreter): the same bits either way.
 
 The older mma.sync instruction (m16n8k16) gives different bits (measured on the H200), so
 configurations that would fall back to it are refused. Tests pin all of this bitwise.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import w4a4_gemm_cuda
 from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode_operand
@@ -272,6 +275,7 @@ def _bf16_gemm_kernel(
     K_PADDED,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    TMA: tl.constexpr,
     FOLD_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -280,7 +284,9 @@ def _bf16_gemm_kernel(
 ):
     """Y^T tile of pre-decoded operands ``wd`` [N, K_PADDED], ``ad`` [M, K_PADDED] (BF16, the
     decode GEMM's element order), one MMA chain per fold chunk, chunks folded in order; tiles
-    visited GROUP_N weight tiles at a time for L2 reuse."""
+    visited GROUP_N weight tiles at a time for L2 reuse. TMA: ``wd`` / ``ad`` are TMA
+    descriptors of blocks [BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K] (zeros outside the tensors),
+    else pointers (strides ``stride_wd`` / ``stride_ad``)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -293,15 +299,20 @@ def _bf16_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = wd + offs_n[:, None].to(tl.int64) * stride_wd + offs_k[None, :]
-    a_ptrs = ad + offs_m[:, None].to(tl.int64) * stride_ad + offs_k[None, :]
+    if not TMA:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = wd + offs_n[:, None].to(tl.int64) * stride_wd + offs_k[None, :]
+        a_ptrs = ad + offs_m[:, None].to(tl.int64) * stride_ad + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # One flat (software-pipelined) loop; at each fold-chunk end the chunk's chain joins acc.
     for k in range(0, K_PADDED, BLOCK_K):
-        w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
-        a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
+        if TMA:
+            w = wd.load([pid_n * BLOCK_N, k])
+            a = ad.load([pid_m * BLOCK_M, k])
+        else:
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
         part = mma(w, a, part, INTERPRETED)
         if (k + BLOCK_K) % FOLD_SIZE == 0:
             acc = acc + part
@@ -334,14 +345,16 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class LargeConfig:
-    """Tiles of the pre-decoded BF16 GEMM (BLOCK_K divides CHUNK: the K order is unchanged)."""
+    """Tiles of the pre-decoded BF16 GEMM (BLOCK_K divides CHUNK: the K order is unchanged);
+    ``tma``: load them through TMA descriptors (ignored in Triton's interpreter)."""
 
     block_n: int = 128
-    block_m: int = 128
+    block_m: int = 256
     block_k: int = 64
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n % 64 or self.num_warps % 4 or CHUNK % self.block_k:
@@ -350,7 +363,7 @@ class LargeConfig:
 
 #: Options chosen from the H200 measurements in benchmarks/NOTES_kernels.md.
 USE_ASM_DECODE = True
-LARGE_CONFIG = LargeConfig(128, 128, 64, 8, 8, 3)
+LARGE_CONFIG = LargeConfig()
 
 
 def decode_config(rows: int) -> DecodeConfig:
@@ -499,11 +512,17 @@ def nvfp4_gemm_sm90(
     wd = decode_operand(w.codes, w.scales, use_asm=use_asm)
     ad = decode_operand(a.codes, a.scales, use_asm=use_asm)
     c = config
+    tma = c.tma and not _INTERPRETED
+    if tma:
+        w_src = TensorDescriptor.from_tensor(wd, [c.block_n, c.block_k])
+        a_src = TensorDescriptor.from_tensor(ad, [c.block_m, c.block_k])
+    else:
+        w_src, a_src = wd, ad
     grid = (triton.cdiv(n, c.block_n) * triton.cdiv(m, c.block_m),)
     _bf16_gemm_kernel[grid](
-        wd, wd.stride(0), ad, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
+        w_src, wd.stride(0), a_src, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
         bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), m, n, wd.shape[1],
-        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED, FOLD_SIZE=FOLD,
+        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED, TMA=tma, FOLD_SIZE=FOLD,
         BLOCK_N=c.block_n, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
         GROUP_N=c.group_n, num_warps=c.num_warps, num_stages=c.num_stages,
         enable_fp_fusion=False,

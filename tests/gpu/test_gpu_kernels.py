@@ -213,7 +213,7 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
                DecodeConfig(64, 16, 4, 4, split_k=2), DecodeConfig(64, 16, 4, 4, split_k=5),
                DecodeConfig(64, 128, 4, 2, split_k=3), DecodeConfig(64, 16, 4, 3, 0, True),
                DecodeConfig(128, 64, 8, 3, 2, True), DecodeConfig(128, 128, 8, 3, 1, True),
-               LargeConfig(),
+               LargeConfig(), LargeConfig(tma=False), LargeConfig(128, 128, 64, 8, 8, 3, tma=False),
                LargeConfig(128, 128, 64, 8, 8, 4), LargeConfig(64, 64, 64, 1, 4, 2)]  # fmt: skip
     for cfg in configs:
         # the float32 bits-decode (interpreter fallback) needs more shared memory than
