@@ -403,6 +403,45 @@ def _attention_backward(
             dv.transpose(0, 1).to(v.dtype))  # fmt: skip
 
 
+def _attention_backward_gemm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    grad: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_attention_backward` through batched float64 GEMMs (the GPU's
+    backward: a few cuBLAS calls per chunk of queries instead of the fixed-order sums' many
+    elementwise passes). Deterministic on one GPU (no atomics), not the CPU's bits."""
+    tq, heads, dim = q.shape
+    tk, kv_heads, _ = k.shape
+    dim_v = v.shape[-1]
+    group = heads // kv_heads
+    kf = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, D]
+    vf = v.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, Dv]
+    key_pos = torch.arange(tk, device=q.device)
+    chunk = max(1, CHUNK_ELEMENTS * 4 // max(1, heads * tk))  # [H, c, Tk] float64 scores
+    dq = []
+    dk = torch.zeros(heads, tk, dim, dtype=torch.float64, device=q.device)
+    dv = torch.zeros(heads, tk, dim_v, dtype=torch.float64, device=q.device)
+    for start in range(0, tq, chunk):
+        qc = q[start : start + chunk].double().transpose(0, 1)  # [H, c, D]
+        go = grad[start : start + chunk].double().transpose(0, 1)  # [H, c, Dv]
+        valid = key_pos <= q_positions[start : start + chunk].unsqueeze(-1)  # [c, Tk]
+        p = torch.softmax((qc @ kf.transpose(1, 2) * scale).masked_fill(~valid, -torch.inf), -1)
+        dv += p.transpose(1, 2) @ go
+        dp = go @ vf.transpose(1, 2)  # [H, c, Tk]
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        dq.append(ds @ kf * scale)
+        dk += ds.transpose(1, 2) @ qc * scale
+    dq_t = torch.cat(dq, dim=1) if dq else q.new_zeros(heads, 0, dim, dtype=torch.float64)
+    dk = dk.view(kv_heads, group, tk, dim).sum(1)
+    dv = dv.view(kv_heads, group, tk, dim_v).sum(1)
+    return (dq_t.transpose(0, 1).to(q.dtype), dk.transpose(0, 1).to(k.dtype),
+            dv.transpose(0, 1).to(v.dtype))  # fmt: skip
+
+
 def _attention_plain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -429,7 +468,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, q_positions = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(q, k, v, q_positions, ctx.scale, grad)
+        backward = _attention_backward_gemm if _triton(q) else _attention_backward
+        dq, dk, dv = backward(q, k, v, q_positions, ctx.scale, grad)
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None)  # fmt: skip

@@ -150,6 +150,23 @@ def test_causal_attention_chunks_and_gradients(monkeypatch, kv_heads):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_gemm_backward_matches_autograd(monkeypatch, kv_heads):
+    """The GPU's attention backward (float64 GEMMs, run here on CPU tensors) against autograd of
+    the plain-torch attention, with queries at later positions than their index and chunks of
+    5 queries."""
+    q = bf16(24, 4, 16, seed=0).float()
+    k, v = (bf16(30, kv_heads, 16, seed=s).float() for s in (1, 2))
+    pos = torch.arange(24) + 6
+    go = bf16(24, 4, 16, seed=3).float()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ops._attention_plain(*ref, pos, 0.25).backward(go)
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 4 * 30 * 5 // 4)  # 5 queries per chunk
+    got = ops._attention_backward_gemm(q, k, v, pos, 0.25, go)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype and torch.allclose(a, b.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_linear_is_row_invariant_and_matches_matmul(monkeypatch):
     x, w = bf16(37, 128, seed=0), bf16(272, 128, seed=1)
     y = ops.linear(x, w)
