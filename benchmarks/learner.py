@@ -31,7 +31,16 @@ Variants (same weights, same routing function, same inputs):
   in ``minite_megatron.MiniTEGroupedMLP`` (grouped W4A4 forward, grouped NVFP4 backward, one
   stacked weight quantization per optimizer step) instead of ``SequentialMLP``. With it, a GPU
   run first checks the grouped kernels against their per-expert counterparts
-  (:func:`check_grouped_numerics`).
+  (:func:`check_grouped_numerics`);
+- ``minite_strict`` (not run unless named in ``--variants``): the miniTE spec under
+  ``NVFP4Recipe(strict_ops=True)`` (``docs/strict.md``): the same NVFP4 linears, every op between
+  them through ``minite_common.ops`` (Triton kernels on the GPU; backward passes are their
+  fixed-order torch code), ``use_te_activation_func=True``, the rotary embedding applied by the
+  strict attention core (the layer gets ``rotary_pos_emb=None``) and the core attention kept
+  strict (``--attention`` does not apply). Its overhead over ``minite`` (strict ms / miniTE ms - 1,
+  same layer, seq and micro-batch) is tabled last. The strict attention backward runs
+  ``CHUNK_ELEMENTS // (heads * seq * head_dim)`` query rows per chunk, about a hundred torch
+  kernels each (one row at seq 4096: seconds per sequence), so run it on few tokens.
 
 The core attention is the same module for every variant: by default (``--attention sdpa``)
 ``torch.nn.functional.scaled_dot_product_attention`` restricted to its fused kernels (flash /
@@ -50,9 +59,15 @@ GPU (repo root, with ``minite_kernels`` importable and Megatron-Core installed):
 
     python3 benchmarks/learner.py --out $OUT
 
+Strict against default miniTE (issue 16; dense layer, few tokens, no profiler pass)::
+
+    python3 benchmarks/learner.py --layers dense --seqs 1024,4096 --tokens 4096 \
+        --variants minite,minite_strict --nvfp4bwd-seqs "" --iters 3 --warmup 1 --no-profile \
+        --no-checks --no-host --out $OUT
+
 CPU smoke test (tiny shapes, Megatron-Core 0.16.1, builds and runs every variant once)::
 
-    python benchmarks/learner.py --cpu-smoke
+    python benchmarks/learner.py --cpu-smoke [--variants minite,minite_strict]
 """
 
 from __future__ import annotations
@@ -85,11 +100,15 @@ VARIANTS = {
     "minite_qonly": "miniTE quantize + BF16 GEMMs",
     "minite_nvfp4bwd": "miniTE, NVFP4-GEMM backward (as first shipped)",
     "minite_grouped": "miniTE NVFP4, grouped experts",
+    "minite_strict": "miniTE NVFP4, strict ops",
 }
 #: Variants that only differ from ``minite`` in a MoE layer.
 MOE_ONLY_VARIANTS = ("bf16_grouped", "minite_grouped")
 #: Variants whose layer is BF16 (no NVFP4 weights to re-quantize per optimizer step).
 BF16_VARIANTS = ("bf16", "bf16_grouped")
+#: Variants built with ``NVFP4Recipe(strict_ops=True)`` (their attention core applies the rotary
+#: embedding; the SDPA core attention is not swapped in).
+STRICT_VARIANTS = ("minite_strict",)
 
 
 @dataclass(frozen=True)
@@ -251,20 +270,29 @@ def build_layer(shape: LayerShape, variant: str, attention: str, device: torch.d
     from megatron.core.transformer.spec_utils import build_module
 
     import minite_megatron as mm
+    from minite_common import NVFP4Recipe
 
-    config = mm.transformer_config_from_hf(shape.hf_config())
+    strict = variant in STRICT_VARIANTS
+    hf = shape.hf_config()
+    # strict mode: MLPs call the spec's activation module (StrictSwiGLU); no TE code runs
+    config = mm.transformer_config_from_hf(
+        hf, **({"use_te_activation_func": True} if strict else {})
+    )
     if variant in BF16_VARIANTS:
         block = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=config.normalization
         )
     else:
         block = mm.get_gpt_decoder_block_minite_spec(
-            config, grouped_experts=variant == "minite_grouped"
+            config,
+            NVFP4Recipe(strict_ops=strict),
+            grouped_experts=variant == "minite_grouped",
+            rotary_base=hf.rope_theta if strict else None,
         )
     spec = block.layer_specs[0]
     if variant == "bf16_grouped":
         spec = bf16_grouped_spec(spec)
-    if attention == "sdpa":
+    if attention == "sdpa" and not strict:  # strict: StrictDotProductAttention stays
         from minite_megatron.spec_tree import replace_class
 
         spec = replace_class(spec, DotProductAttention, SDPACoreAttention)
@@ -445,6 +473,13 @@ def kernel_category(name: str) -> str:
     return "rest"
 
 
+def is_strict(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` was built from a strict spec (it has miniTE's strict attention core)."""
+    from minite_megatron.strict import StrictDotProductAttention
+
+    return any(isinstance(m, StrictDotProductAttention) for m in layer.modules())
+
+
 class Runner:
     """Forward+backward iterations of one layer on fixed random inputs."""
 
@@ -467,7 +502,9 @@ class Runner:
             rotary_base=1000000,
             use_cpu_initialization=device.type != "cuda",
         )
-        self.rope = rope(seq).to(device)
+        # A strict layer's attention core rotates queries and keys itself (the strict GPTModel
+        # has position_embedding_type="none"), so Megatron's rotary embedding must not run.
+        self.rope = None if is_strict(layer) else rope(seq).to(device)
 
     def step(self) -> None:
         """One forward+backward; gradients are dropped first, as every variant does."""
@@ -916,7 +953,38 @@ def tables(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             )
             cells.append(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if r else "-")
         lines.append(f"| {layer} | {seq} x {b['batch']} | " + " | ".join(cells) + " |")
+    lines += strict_table(results)
     return "\n".join(lines)
+
+
+def strict_table(results: list[dict[str, Any]]) -> list[str]:
+    """Strict mode against default miniTE at the same layer, seq and micro-batch (Markdown lines;
+    none without a strict result)."""
+    key = ("layer", "seq", "batch")
+    minite = {tuple(r[k] for k in key): r for r in results if r["variant"] == "minite"}
+    strict = [r for r in results if r["variant"] in STRICT_VARIANTS]
+    if not strict:
+        return []
+    lines = [
+        "",
+        "Strict ops against default miniTE (same layer, seq and micro-batch): overhead = strict "
+        "ms / miniTE ms - 1 (issue 16 goal: <= 10%):",
+        "",
+        "| layer | seq x mb | miniTE ms / iter | strict ms / iter | overhead | miniTE peak GiB | "
+        "strict peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in strict:
+        m = minite.get(tuple(r[k] for k in key))
+        over = f"{100 * (r['ms'] / m['ms'] - 1):+.1f}%" if m else "- (no miniTE run)"
+        lines.append(
+            f"| {r['layer']} | {r['seq']} x {r['batch']} | "
+            + (f"{m['ms']:.1f}" if m else "-")
+            + f" | {r['ms']:.1f} | {over} | "
+            + (f"{m.get('peak_gib', 0):.1f}" if m else "-")
+            + f" | {r.get('peak_gib', 0):.1f} |"
+        )
+    return lines
 
 
 def environment(device: torch.device) -> dict[str, Any]:
