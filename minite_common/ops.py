@@ -39,6 +39,7 @@ arithmetic), so a strict learner step also gives the same bits on every CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -358,6 +359,25 @@ def _attention_forward(
     return torch.cat(out) if out else q.new_empty(0, heads, dim_v)
 
 
+def _per_query_head(t: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """[Tk, Hk, D] keys or values -> [H, Tk, D] in ``dtype``, each KV head repeated for the
+    ``group`` query heads that read it."""
+    return t.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+
+
+def _attention_grads(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, fold: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``dq`` [H, Tq, D] and per-query-head ``dk`` / ``dv`` [H, Tk, .] in the inputs' layouts and
+    dtypes, the query heads of a KV group added by ``fold`` over dimension 1 of [Hk, group, ...]."""
+    kv_heads = k.shape[1]
+    dk = fold(dk.view(kv_heads, -1, *dk.shape[1:]))
+    dv = fold(dv.view(kv_heads, -1, *dv.shape[1:]))
+    return (dq.transpose(0, 1).to(q.dtype), dk.transpose(0, 1).to(k.dtype),
+            dv.transpose(0, 1).to(v.dtype))  # fmt: skip
+
+
 def _attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -375,8 +395,8 @@ def _attention_backward(
     tk, kv_heads, _ = k.shape
     dim_v = v.shape[-1]
     group = heads // kv_heads
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, Dv]
+    kf = _per_query_head(k, group, torch.float32)  # [H, Tk, D]
+    vf = _per_query_head(v, group, torch.float32)  # [H, Tk, Dv]
     scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
     key_pos = torch.arange(tk, device=q.device)
     chunk = max(1, CHUNK_ELEMENTS // max(1, heads * tk * max(dim, dim_v)))
@@ -397,10 +417,7 @@ def _attention_backward(
         dq.append(fixed_sum(ds.unsqueeze(-1) * kf.unsqueeze(1), dim=2) * scale_t)  # [H, c, D]
         dk = dk + fixed_sum(ds.unsqueeze(-1) * qc.unsqueeze(2), dim=1) * scale_t  # [H, Tk, D]
     dq_t = torch.cat(dq, dim=1) if dq else q.new_zeros(heads, 0, dim, dtype=torch.float32)
-    dk = fixed_sum(dk.view(kv_heads, group, tk, dim), dim=1)
-    dv = fixed_sum(dv.view(kv_heads, group, tk, dim_v), dim=1)
-    return (dq_t.transpose(0, 1).to(q.dtype), dk.transpose(0, 1).to(k.dtype),
-            dv.transpose(0, 1).to(v.dtype))  # fmt: skip
+    return _attention_grads(dq_t, dk, dv, q, k, v, functools.partial(fixed_sum, dim=1))
 
 
 def _attention_backward_gemm(
@@ -418,8 +435,8 @@ def _attention_backward_gemm(
     tk, kv_heads, _ = k.shape
     dim_v = v.shape[-1]
     group = heads // kv_heads
-    kf = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, D]
-    vf = v.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Tk, Dv]
+    kf = _per_query_head(k, group, torch.float64)  # [H, Tk, D]
+    vf = _per_query_head(v, group, torch.float64)  # [H, Tk, Dv]
     key_pos = torch.arange(tk, device=q.device)
     chunk = max(1, CHUNK_ELEMENTS * 4 // max(1, heads * tk))  # [H, c, Tk] float64 scores
     dq = []
@@ -436,10 +453,7 @@ def _attention_backward_gemm(
         dq.append(ds @ kf * scale)
         dk += ds.transpose(1, 2) @ qc * scale
     dq_t = torch.cat(dq, dim=1) if dq else q.new_zeros(heads, 0, dim, dtype=torch.float64)
-    dk = dk.view(kv_heads, group, tk, dim).sum(1)
-    dv = dv.view(kv_heads, group, tk, dim_v).sum(1)
-    return (dq_t.transpose(0, 1).to(q.dtype), dk.transpose(0, 1).to(k.dtype),
-            dv.transpose(0, 1).to(v.dtype))  # fmt: skip
+    return _attention_grads(dq_t, dk, dv, q, k, v, lambda t: t.sum(1))
 
 
 def _attention_plain(
