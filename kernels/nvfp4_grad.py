@@ -24,6 +24,10 @@ when the operand holds NaN/Inf, as the torch path gives) is written to a two-ele
 Compared with the torch path, the codes and scales are the same function of the operand; only
 the RHT's float32 sum order before its BF16 rounding may differ (rarely one BF16 ulp), and the
 stochastic rounding draws other random numbers of the same distribution.
+
+Also here: :func:`decoded_weight` (dgrad's BF16 weight operand, cached per weight version) and
+:func:`scale_rows` (the backward GEMMs' epilogue: float32 accumulator times decode scales, one
+rounding to the output dtype, in one pass).
 """
 
 from __future__ import annotations
