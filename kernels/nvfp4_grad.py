@@ -90,10 +90,11 @@ def _seeds(seed_ptr, STOCHASTIC: tl.constexpr):
 @triton.jit
 def _round_to_bf16(v):
     """float32 -> the nearest BF16 value (ties to even), kept in float32; integer arithmetic, so
-    the interpreter (whose casts truncate) gives the GPU's bits. Inf and NaN stay Inf and NaN."""
+    the interpreter (whose casts truncate) gives the GPU's bits. Inf stays Inf; NaN is passed
+    through (the GPU's NaN, bits 0x7FFFFFFF, would carry into the sign bit: -0.0)."""
     bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return rounded.to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)
 
 
 @triton.jit
@@ -453,15 +454,20 @@ def quantize_grad_operands(
 
 
 @triton.jit
-def _scale_rows_kernel(acc_ptr, scale_ptr, out_ptr, C, ROWS_PER_SCALE, BLOCK: tl.constexpr):
+def _scale_rows_kernel(
+    acc_ptr, scale_ptr, out_ptr, C, ROWS_PER_SCALE, BLOCK: tl.constexpr, BF16: tl.constexpr
+):
     """``out[r, c] = out_dtype(acc[r, c] * scale[r // ROWS_PER_SCALE])``, one row per program
-    along axis 0, BLOCK columns per program along axis 1."""
+    along axis 0, BLOCK columns per program along axis 1. BF16: rounded by integer arithmetic
+    first (the interpreter's casts truncate; on the GPU the same bits as the cast)."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
     scale = tl.load(scale_ptr + r // ROWS_PER_SCALE)
     row = r.to(tl.int64) * C
     y = tl.load(acc_ptr + row + offs, mask=mask) * scale
+    if BF16:
+        y = _round_to_bf16(y)
     tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -484,7 +490,8 @@ def scale_rows(
     if acc.numel():
         block = min(4096, triton.next_power_of_2(cols))
         grid = (rows, triton.cdiv(cols, block))
-        _scale_rows_kernel[grid](acc, scale, out, cols, per, BLOCK=block, num_warps=8)
+        bf16 = out_dtype == torch.bfloat16
+        _scale_rows_kernel[grid](acc, scale, out, cols, per, BLOCK=block, BF16=bf16, num_warps=8)
     return out
 
 

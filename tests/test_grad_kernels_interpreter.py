@@ -27,6 +27,7 @@ CHECKS = [
     "stochastic_bits",
     "nonfinite",
     "backward",
+    "scale_rows",
 ]
 
 
@@ -233,6 +234,33 @@ def check_backward() -> None:
     torch.set_rng_state(state)
     again = ag._hopper_backward(g_b, x_b, w_q, sr, True, True, torch.float32, torch.float32)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def check_scale_rows() -> None:
+    """The backward epilogue gives torch.mul's bits (float32 and BF16 out), per-tensor, per-row
+    and per-group scales, NaN (also the GPU's NaN, bits 0x7FFFFFFF), Inf, BF16 ties and
+    overflow."""
+    from minite_kernels.nvfp4_grad import scale_rows
+
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(6, 40, generator=g) * 10.0 ** torch.randint(-20, 20, (6, 1), generator=g)
+    acc[0, :6] = torch.tensor([float("inf"), -float("inf"), 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+                               3.0e38, -3.0e38])  # fmt: skip
+    acc.view(torch.int32)[1, :2] = torch.tensor([0x7FFFFFFF, 0x7FC00000], dtype=torch.int32)
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            got.nan_to_num(), want.nan_to_num()
+        )
+
+    for out in (torch.float32, torch.bfloat16):
+        one = torch.tensor(1.0)
+        assert same(scale_rows(acc, one, out), acc.to(out)), out
+        per_row = torch.rand(6, generator=g) * 4
+        assert same(scale_rows(acc, per_row, out, 1), (acc * per_row[:, None]).to(out)), out
+        per_pair = per_row[:3]
+        want = (acc * per_pair.repeat_interleave(2)[:, None]).to(out)
+        assert same(scale_rows(acc, per_pair, out, 2), want), out
 
 
 if __name__ == "__main__":
