@@ -36,7 +36,8 @@ def _bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * scale).bfloat16()
 
 
-def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A default engine's NeoX rotary in torch (float32 math, the input's dtype out)."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -88,7 +89,7 @@ def cases(tokens: int, context: int) -> dict[str, tuple]:
         "swiglu": (lambda: ops.swiglu(gu), lambda: F.silu(gu[:, :FFN]) * gu[:, FFN:]),
         "rope (q)": (
             lambda: ops.apply_rope(q, cos[:, None], sin[:, None]),
-            lambda: _rope_torch(q, cos[:, None], sin[:, None]),
+            lambda: rope_torch(q, cos[:, None], sin[:, None]),
         ),
         "router softmax+top-k": (
             lambda: ops.topk_routing(logits, TOP_K, True),

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from strict_ops import rope_torch  # benchmarks/ (the script's directory)
 
 from minite_common import NVFP4Recipe, ops, quantize_weight, w4a4_linear
 from minite_vllm.strict_forward import cached_attention, rotate, write_kv_cache
@@ -205,12 +206,6 @@ def strict_layer(
     return w4a4_linear(ops.swiglu(gate_up), lin["down"], recipe=STRICT_RECIPE), residual
 
 
-def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 def default_layer(
     s: Shape,
     w: LayerWeights,
@@ -229,7 +224,7 @@ def default_layer(
     q = F.rms_norm(q.view(-1, s.heads, s.head_dim), (s.head_dim,), w.q_norm, s.eps)
     k = F.rms_norm(k.view(-1, s.kv_heads, s.head_dim), (s.head_dim,), w.k_norm, s.eps)
     cos, sin = b.cos_cache[b.positions][:, None], b.sin_cache[b.positions][:, None]
-    q, k = _rope_torch(q, cos, sin), _rope_torch(k, cos, sin)
+    q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
     cache.k[:, :, b.context] = k
     cache.v[:, :, b.context] = v.view(-1, s.kv_heads, s.head_dim)
     out = F.scaled_dot_product_attention(

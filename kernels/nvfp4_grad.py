@@ -238,24 +238,32 @@ def _magnitude_bits(v):
 
 
 @triton.jit
-def _finite_amax_of_tiles(
-    x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c,
-    COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_R: tl.constexpr,
+def _publish_amax(
+    top_bits, stats, x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r,
+    offs_c, COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr,
+    DOT_BF16: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """max |v| over the finite elements of the row (``COL_OUT`` False) or col operand's values
-    over TILES row tiles (the slow path, taken only where a tile holds NaN/Inf)."""
-    amax = 0.0
-    for i in range(TILES):
-        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-        v = _tile_values(
-            x, col_scale_ptr, scale_stride, h_ptr, offs_c, C, COL_OUT, ROW_SCALE, RHT, DOT_BF16,
-            BLOCK_R,
-        )  # fmt: skip
-        finite = tl.abs(v) < INF
-        amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
-    return amax
+    """Atomic max into ``stats[0]`` of the row (``COL_OUT`` False) or col operand's amax over the
+    program's TILES row tiles, and into ``stats[1]`` of its non-finite flag, from ``top_bits``
+    (the elementwise max of the magnitudes' bits over the tiles). Only where those hold NaN/Inf
+    are the tiles read again for the max over the finite elements (the slow path)."""
+    top = tl.max(tl.max(top_bits, axis=1), axis=0)
+    amax = top.to(tl.float32, bitcast=True)
+    bad = 0.0
+    if top >= 0x7F800000:
+        amax = 0.0
+        for i in range(TILES):
+            offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
+            v = _tile_values(
+                x, col_scale_ptr, scale_stride, h_ptr, offs_c, C, COL_OUT, ROW_SCALE, RHT,
+                DOT_BF16, BLOCK_R,
+            )  # fmt: skip
+            finite = tl.abs(v) < INF
+            amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
+        bad = 1.0
+    tl.atomic_max(stats + 0, amax)
+    tl.atomic_max(stats + 1, bad)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -298,25 +306,9 @@ def _grad_amax_kernel(
             top_col = tl.maximum(top_col, _magnitude_bits(v))
     args = (x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c)
     if ROW:
-        top = tl.max(tl.max(top_row, axis=1), axis=0)
-        amax = top.to(tl.float32, bitcast=True)
-        bad = 0.0
-        if top >= 0x7F800000:
-            amax = _finite_amax_of_tiles(
-                *args, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R
-            )  # fmt: skip
-            bad = 1.0
-        tl.atomic_max(stats_ptr + 0, amax)
-        tl.atomic_max(stats_ptr + 1, bad)
+        _publish_amax(top_row, stats_ptr, *args, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
     if COL:
-        top = tl.max(tl.max(top_col, axis=1), axis=0)
-        amax = top.to(tl.float32, bitcast=True)
-        bad = 0.0
-        if top >= 0x7F800000:
-            amax = _finite_amax_of_tiles(*args, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
-            bad = 1.0
-        tl.atomic_max(stats_ptr + 2, amax)
-        tl.atomic_max(stats_ptr + 3, bad)
+        _publish_amax(top_col, stats_ptr + 2, *args, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
 
 
 @triton.jit(do_not_specialize=["R", "R_PAD"])
