@@ -24,6 +24,8 @@ __all__ = [
     "quantize_grad_operands",
     "quantize_nvfp4",
     "strict_kernels",
+    "swiglu_backward",
+    "swiglu_forward",
 ]
 
 
@@ -119,3 +121,17 @@ def strict_kernels():
     from . import strict_ops
 
     return strict_ops
+
+
+def swiglu_forward(gate_up: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' SwiGLU (times the router probabilities) in one pass (see ``swiglu``)."""
+    from .swiglu import swiglu_forward as impl
+
+    return impl(gate_up, probs)
+
+
+def swiglu_backward(grad, gate_up, probs=None, need_probs_grad: bool = False):
+    """``(d gate_up, d probs or None)`` of :func:`swiglu_forward` in one pass."""
+    from .swiglu import swiglu_backward as impl
+
+    return impl(grad, gate_up, probs, need_probs_grad)

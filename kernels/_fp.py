@@ -57,3 +57,13 @@ def global_scales(amax):
     s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
     s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
     return s_enc, s_dec
+
+
+@triton.jit
+def round_to_bf16(v):
+    """float32 -> the nearest BF16 value (ties to even), kept in float32; integer arithmetic, so
+    the interpreter (whose casts truncate) gives the GPU's bits. Inf stays Inf; NaN is passed
+    through (the GPU's NaN, bits 0x7FFFFFFF, would carry into the sign bit: -0.0)."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)

@@ -47,6 +47,7 @@ from ._fp import (
     f32_to_e4m3_rne,
     global_scales,
     nan_like,
+    round_to_bf16,
 )
 from .nvfp4_decode import CHUNK, STREAMS, decode_operand
 from .nvfp4_quantize import e2m1_magic
@@ -88,16 +89,6 @@ def _seeds(seed_ptr, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _round_to_bf16(v):
-    """float32 -> the nearest BF16 value (ties to even), kept in float32; integer arithmetic, so
-    the interpreter (whose casts truncate) gives the GPU's bits. Inf stays Inf; NaN is passed
-    through (the GPU's NaN, bits 0x7FFFFFFF, would carry into the sign bit: -0.0)."""
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, rounded)
-
-
-@triton.jit
 def _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C):
     """The input tile [BLOCK_R, BLOCK_C] as stored (zeros outside the tensor)."""
     mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
@@ -131,7 +122,7 @@ def _col_values(x, h_ptr, RHT: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_R: tl
             y = tl.dot(hbd.to(tl.bfloat16), x.to(tl.bfloat16))
         else:
             y = tl.dot(hbd, x.to(tl.float32), input_precision="ieee")
-        return _round_to_bf16(y)
+        return round_to_bf16(y)
     return x.to(tl.float32)
 
 
@@ -459,7 +450,7 @@ def _scale_rows_kernel(
     row = r.to(tl.int64) * C
     y = tl.load(acc_ptr + row + offs, mask=mask) * scale
     if BF16:
-        y = _round_to_bf16(y)
+        y = round_to_bf16(y)
     tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

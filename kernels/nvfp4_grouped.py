@@ -140,6 +140,20 @@ def _grouped_grad_qdq_kernel(
         tl.store(out, q, mask=ok)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor copied to ``device`` without blocking the host: through pinned memory
+    on CUDA (a pageable copy would wait for all the work queued on the stream)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=256)
+def sizes_on_device(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Group sizes as a cached int32 device tensor (a repeated routing is copied once)."""
+    return host_to_device(torch.tensor(sizes, dtype=torch.int32), device)
+
+
 @functools.lru_cache(maxsize=8)
 def group_layout(
     sizes: tuple[int, ...], device: torch.device
@@ -166,7 +180,7 @@ def group_layout(
         dim=1,
     )
     return (
-        tiles.to(torch.int32).to(device),
+        host_to_device(tiles.to(torch.int32), device),
         tuple(starts_t.tolist()),
         tuple(pstarts_t.tolist()),
     )

@@ -11,12 +11,14 @@ per 128-element decode chunk the 8 nibble streams in order (``nvfp4_decode``). T
 are then folded in float32, ``acc = (((0 + p0) + p1) + ...)``, in chunk order. Every kernel
 below computes exactly this, so a row's result depends on nothing else in the batch:
 
-- ``_w4a4_decode_gemm_kernel`` (M up to ``LARGE_M``, and MoE groups): decodes both operands in
+- ``_w4a4_decode_gemm_kernel`` (M up to ``LARGE_M``, and MoE groups of fewer rows on average):
+  decodes both operands in
   registers. At small M it splits K across programs along chunk boundaries (more programs in
   flight): each program writes its chunks' partials to a float32 workspace, and the last program
   of a tile to finish (an atomic counter) folds all of them in chunk order and stores the tile.
   Whether and how much it splits changes the schedule, never the bits.
-- ``_bf16_gemm_kernel`` (M above ``LARGE_M``): both operands decoded once into BF16 scratch in the
+- ``_bf16_gemm_kernel`` (M above ``LARGE_M``, and MoE groups averaging above it, the learner's
+  expert forward): both operands decoded once into BF16 scratch in the
   same element order, then a BF16 GEMM running the same wgmma chain per chunk and the same fold,
   its tiles loaded by the Tensor Memory Accelerator (TMA descriptors; plain loads in Triton's
   interpreter): the same bits either way.
@@ -38,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import w4a4_gemm_cuda
 from .nvfp4_decode import CHUNK, CHUNK_K, code_words, decode_nvfp4_words, decode_operand
+from .nvfp4_grouped import sizes_on_device
 
 #: K elements per fold chunk: one MMA chain each, the chains folded in order (contract v2).
 FOLD = 512
@@ -270,9 +273,13 @@ def _bf16_gemm_kernel(
     y,
     stride_ym,
     stride_yn,
+    sizes,
     M,
     N,
     K_PADDED,
+    G,
+    TILES_M,
+    GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -280,39 +287,53 @@ def _bf16_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     GROUP_N: tl.constexpr,
 ):
-    """Y^T tile of pre-decoded operands ``wd`` [N, K_PADDED], ``ad`` [M, K_PADDED] (BF16, the
-    decode GEMM's element order), one MMA chain per fold chunk, chunks folded in order; tiles
-    visited GROUP_N weight tiles at a time for L2 reuse. TMA: ``wd`` / ``ad`` are TMA
-    descriptors of blocks [BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K] (zeros outside the tensors),
-    else pointers (strides ``stride_wd`` / ``stride_ad``)."""
+    """Y^T tile of pre-decoded operands ``wd`` [N, K_PADDED] (GROUPED: [G*N, K_PADDED]), ``ad``
+    [M, K_PADDED] (BF16, the decode GEMM's element order), one MMA chain per fold chunk, chunks
+    folded in order; tiles visited GROUP_N weight tiles at a time for L2 reuse. GROUPED: row
+    tile pid_m of the expert-grouped rows (``sizes`` [G] on the device; TILES_M bounds the row
+    tiles) against its expert's weight rows. TMA: ``wd`` / ``ad`` are TMA descriptors of blocks
+    [BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K] (zeros outside the tensors), else pointers (strides
+    ``stride_wd`` / ``stride_ad``). Rows loaded past a group's end or an expert's N rows only
+    reach masked outputs."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_N * tiles_m
+    per_group = GROUP_N * TILES_M
     first_n = (pid // per_group) * GROUP_N
     group_n = min(tiles_n - first_n, GROUP_N)
     pid_n = first_n + (pid % per_group) % group_n
     pid_m = (pid % per_group) // group_n
+    if GROUPED:
+        row_start, row_end, group = _group_tile(sizes, G, pid_m, M, BLOCK_M, BLOCK_G)
+        if group >= G:
+            return
+        w_row0 = group * N
+    else:
+        row_start = pid_m * BLOCK_M
+        row_end = M
+        w_row0 = 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
-    m_ok = offs_m < M
+    m_ok = offs_m < row_end
     if not TMA:
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = wd + offs_n[:, None].to(tl.int64) * stride_wd + offs_k[None, :]
-        a_ptrs = ad + offs_m[:, None].to(tl.int64) * stride_ad + offs_k[None, :]
+        w_rows64 = (w_row0 + tl.minimum(offs_n, N - 1)).to(tl.int64)
+        a_rows64 = tl.minimum(offs_m, row_end - 1).to(tl.int64)
+        w_ptrs = wd + w_rows64[:, None] * stride_wd + offs_k[None, :]
+        a_ptrs = ad + a_rows64[:, None] * stride_ad + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # One flat (software-pipelined) loop; at each fold-chunk end the chunk's chain joins acc.
     for k in range(0, K_PADDED, BLOCK_K):
         if TMA:
-            w = wd.load([pid_n * BLOCK_N, k])
-            a = ad.load([pid_m * BLOCK_M, k])
+            w = wd.load([w_row0 + pid_n * BLOCK_N, k])
+            a = ad.load([row_start, k])
         else:
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k)
+            a = tl.load(a_ptrs + k)
         part = mma(w, a, part, INTERPRETED)
         if (k + BLOCK_K) % FOLD_SIZE == 0:
             acc = acc + part
@@ -320,7 +341,7 @@ def _bf16_gemm_kernel(
     acc = acc + part  # a last, shorter chunk (adding +0 to acc, which is never -0, changes nothing)
     epilogue_store(
         acc, ACC_SCALE, a_dec, a_dec_stride, w_dec, w_dec_stride, bias, y, stride_ym, stride_yn,
-        offs_n, offs_m, offs_n, n_ok, m_ok, HAS_BIAS,
+        offs_n, offs_m, w_row0 + offs_n, n_ok, m_ok, HAS_BIAS,
     )  # fmt: skip
 
 
@@ -507,27 +528,36 @@ def nvfp4_gemm_sm90(
     if isinstance(config, DecodeConfig):
         _launch_decode_gemm(a, w, bias, y, n, triton.cdiv(m, config.block_m), None, config, use_asm)
         return y
+    _launch_bf16_gemm(a, w, bias, y, n, None, config, use_asm)
+    return y
+
+
+def _launch_bf16_gemm(a, w, bias, y, n: int, sizes, cfg: LargeConfig, use_asm: bool) -> None:
+    """Both operands decoded into BF16 scratch, then one launch of the pre-decoded GEMM (grouped
+    by expert when ``sizes``, a device tensor)."""
+    m = a.rows
+    groups = sizes.numel() if sizes is not None else 1
+    tiles_m = triton.cdiv(m, cfg.block_m) + (groups if sizes is not None else 0)
     a_dec, a_dec_stride = _vector_arg(a.decode_scale)
     w_dec, w_dec_stride = _vector_arg(w.decode_scale)
     wd = decode_operand(w.codes, w.scales, use_asm=use_asm)
     ad = decode_operand(a.codes, a.scales, use_asm=use_asm)
-    c = config
-    tma = c.tma and not _INTERPRETED
+    tma = cfg.tma and not _INTERPRETED
     if tma:
-        w_src = TensorDescriptor.from_tensor(wd, [c.block_n, c.block_k])
-        a_src = TensorDescriptor.from_tensor(ad, [c.block_m, c.block_k])
+        w_src = TensorDescriptor.from_tensor(wd, [cfg.block_n, cfg.block_k])
+        a_src = TensorDescriptor.from_tensor(ad, [cfg.block_m, cfg.block_k])
     else:
         w_src, a_src = wd, ad
-    grid = (triton.cdiv(n, c.block_n) * triton.cdiv(m, c.block_m),)
+    grid = (triton.cdiv(n, cfg.block_n) * tiles_m,)
     _bf16_gemm_kernel[grid](
         w_src, wd.stride(0), a_src, ad.stride(0), a_dec, a_dec_stride, w_dec, w_dec_stride,
-        bias if bias is not None else a_dec, y, y.stride(0), y.stride(1), m, n, wd.shape[1],
-        HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED, TMA=tma, FOLD_SIZE=FOLD,
-        BLOCK_N=c.block_n, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
-        GROUP_N=c.group_n, num_warps=c.num_warps, num_stages=c.num_stages,
-        enable_fp_fusion=False,
+        bias if bias is not None else a_dec, y, y.stride(0), y.stride(1),
+        sizes if sizes is not None else a_dec, m, n, wd.shape[1], groups, tiles_m,
+        GROUPED=sizes is not None, HAS_BIAS=bias is not None, INTERPRETED=_INTERPRETED,
+        TMA=tma, FOLD_SIZE=FOLD, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k, BLOCK_G=triton.next_power_of_2(groups), GROUP_N=cfg.group_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
-    return y
 
 
 def nvfp4_gemm_partials_sm90(
@@ -573,19 +603,13 @@ def fold_partials(
     return y.to(out_dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def _sizes_on_device(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A host list of group sizes as a cached int32 device tensor (repeated routings copy once)."""
-    return torch.tensor(sizes, dtype=torch.int32).to(device)
-
-
 def grouped_nvfp4_gemm_sm90(
     a,
     w,
     sizes: torch.Tensor | list[int],
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | LargeConfig | None = None,
     use_asm: bool | None = None,
 ) -> torch.Tensor:
     """MoE experts: ``a`` [T, K] rows grouped by expert (``sizes`` [G], summing to T: a device
@@ -594,17 +618,22 @@ def grouped_nvfp4_gemm_sm90(
     GEMM gives it against expert g's rows."""
     _check_operands(a, w, None)
     if not isinstance(sizes, torch.Tensor):
-        sizes = _sizes_on_device(tuple(int(s) for s in sizes), a.device)
+        sizes = sizes_on_device(tuple(int(s) for s in sizes), a.device)
     groups = sizes.numel()
     n, t = w.rows // groups, a.rows
     use_asm = USE_ASM_DECODE if use_asm is None else use_asm
     y = torch.empty(t, n, dtype=out_dtype, device=a.device)
     if t == 0 or n == 0:
         return y
-    c = config or decode_config(triton.cdiv(2 * t, groups))
+    sizes = sizes.to(torch.int32)
+    if config is None:
+        config = LARGE_CONFIG if t > LARGE_M * groups else decode_config(triton.cdiv(2 * t, groups))
+    if isinstance(config, LargeConfig):
+        _launch_bf16_gemm(a, w, None, y, n, sizes, config, use_asm)
+        return y
     # Every row tile that exists holds at least one row: at most min(T, T/BLOCK_M + G) tiles.
-    tiles_m = min(t, triton.cdiv(t, c.block_m) + groups)
-    _launch_decode_gemm(a, w, None, y, n, tiles_m, sizes.to(torch.int32), c, use_asm)
+    tiles_m = min(t, triton.cdiv(t, config.block_m) + groups)
+    _launch_decode_gemm(a, w, None, y, n, tiles_m, sizes, config, use_asm)
     return y
 
 

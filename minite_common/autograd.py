@@ -105,6 +105,7 @@ def wgrad_rht_matrix(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor 
     return rht_matrix(device) if recipe.wgrad_rht else None
 
 
+@functools.cache
 def mm_out_dtype_supported(device_type: str) -> bool:
     """Whether this torch build has a float32-output BF16 ``torch.mm`` (``aten::mm.dtype``)
     kernel for ``device_type`` (``"cuda"``, ``"cpu"``): a registry look-up, nothing runs."""

@@ -16,7 +16,8 @@ experts' SwiGLU.
 - :func:`quantize_stacked_weight`: every expert's HF tensors (``[gate_e; up_e]`` rows per expert
   as Megatron's ``linear_fc1`` holds them, or ``down_e``) each with its own amax, bitwise
   ``cat_rows`` of :func:`quantize_weight` of each tensor; one launch on Hopper/Blackwell.
-- :func:`expert_swiglu`: ``bf16(silu(f32 gate) * f32 up)``, the sampler's MoE activation.
+- :func:`expert_swiglu`: ``bf16(silu(f32 gate) * f32 up)``, the sampler's MoE activation (and,
+  for the learner, the router probabilities' product), one fused kernel each way on the GPU.
 """
 
 from __future__ import annotations
@@ -42,11 +43,47 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
 
-def expert_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of ``gate_up`` [..., 2F] = ``[gate | up]``: ``dtype(silu(f32 gate) * f32 up)``,
-    one rounding (the sampler's MoE activation). Differentiable; the backward keeps only the
-    input and computes in float32."""
-    return _ExpertSwiGLU.apply(gate_up)
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def expert_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of ``gate_up`` [T, 2F] = ``[gate | up]``: ``act = dtype(silu(f32 gate) * f32 up)``,
+    one rounding (the sampler's MoE activation); with the router probabilities ``probs`` [T]
+    (the learner's experts), ``dtype(act * probs[:, None])`` as Megatron's expert MLP applies
+    them. Differentiable (the backward keeps only the inputs and computes in float32).
+
+    On a GPU the kernels serve, one fused pass each way (``minite_kernels.swiglu``): the same bits
+    as the torch composition used elsewhere, except the probabilities' gradient (a row sum, in
+    the kernel's fixed order: equal up to float32 rounding).
+    """
+    fusable = (
+        gate_up.dim() == 2
+        and gate_up.stride(1) == 1
+        and gate_up.dtype in _FUSED_DTYPES
+        and (probs is None or probs.dtype in _FUSED_DTYPES)
+    )
+    if fusable and kernel_arch(gate_up.device):
+        return _FusedExpertSwiGLU.apply(gate_up, probs)
+    act = _ExpertSwiGLU.apply(gate_up)
+    return act if probs is None else (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+class _FusedExpertSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, probs):  # type: ignore[override]
+        from minite_kernels import swiglu_forward
+
+        probs = None if probs is None else probs.contiguous()
+        ctx.save_for_backward(gate_up, probs)
+        return swiglu_forward(gate_up, probs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        from minite_kernels import swiglu_backward
+
+        gate_up, probs = ctx.saved_tensors
+        need_probs = probs is not None and ctx.needs_input_grad[1]
+        return swiglu_backward(grad.contiguous(), gate_up, probs, need_probs)
 
 
 def _swiglu_forward(gate_up: torch.Tensor) -> torch.Tensor:
@@ -154,6 +191,17 @@ def _looped_backward(
     return dx, dw
 
 
+def _mm_per_group(lhs, rhs, out) -> None:
+    """``out[g] = lhs[g] @ rhs[g]`` (BF16 in, float32 accumulation and result) per group, zero
+    where the product is over no elements. The per-group views come from one ``split``/``unbind``
+    each (slicing them one by one made the loop host-bound); they die with this call."""
+    for a, b, o in zip(lhs, rhs, out, strict=True):
+        if a.shape[1]:
+            _autograd.mm_f32(a, b, o)
+        else:
+            o.zero_()
+
+
 def _hopper_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -168,7 +216,7 @@ def _hopper_backward(
     """Hopper: every expert's operands from ``minite_kernels.nvfp4_grouped`` (two launches per
     operand), per-expert cuBLAS GEMMs into float32 accumulators, one scale epilogue per output."""
     import minite_kernels
-    from minite_kernels.nvfp4_grouped import group_layout, quantize_grouped_grad_operands
+    from minite_kernels.nvfp4_grouped import quantize_grouped_grad_operands, sizes_on_device
 
     groups, dev = len(sizes), x.device
     tokens, n, k = x.shape[0], w_q.rows // groups, x.shape[1]
@@ -186,31 +234,24 @@ def _hopper_backward(
         col_stochastic=stochastic,
         seed=seed,
     )
-    _, starts, pstarts = group_layout(key, dev)
     dx = dw = None
     if need_dx:
         w = minite_kernels.decoded_weight(w_q)  # code * scale * 2^-7, cached per weight version
         acc = torch.empty(tokens, k, dtype=torch.float32, device=dev)
-        for g, start, size in _split(sizes):
-            _autograd.mm_f32(
-                g_row[start : start + size], w[g * n : (g + 1) * n], acc[start : start + size]
-            )
+        _mm_per_group(g_row.split(sizes), w.view(groups, n, k).unbind(0), acc.split(sizes))
         scale = (g_dec[:, 0] * 128.0).repeat_interleave(
-            torch.tensor(sizes, device=dev), output_size=tokens
+            sizes_on_device(key, dev), output_size=tokens
         )
         dx = minite_kernels.scale_rows(acc, scale, dx_dtype, rows_per_scale=1)
-        del acc
+        del acc, g_row
     if need_dw:
         _, x_col, x_dec = quantize_grouped_grad_operands(
             x, key, row=False, col=True, rht=_autograd.wgrad_rht_matrix(recipe, x.device)
         )
         acc = torch.empty(groups, n, k, dtype=torch.float32, device=dev)
-        for g, size in enumerate(sizes):
-            rows = slice(pstarts[g], pstarts[g] + -(-size // 16) * 16)
-            if size:
-                _autograd.mm_f32(g_col[rows].t(), x_col[rows], acc[g])
-            else:
-                acc[g].zero_()
+        padded = [-(-size // 16) * 16 for size in sizes]  # each group's column-operand rows
+        lhs = [part.t() for part in g_col.split(padded)]
+        _mm_per_group(lhs, x_col.split(padded), acc.unbind(0))
         dw = minite_kernels.scale_rows(
             acc.view(groups * n, k), g_dec[:, 1] * x_dec[:, 1], dw_dtype, rows_per_scale=n
         )

@@ -217,8 +217,7 @@ class MiniTEGroupedMLP(MegatronModule):
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
         sizes = [int(s) for s in tokens_per_expert.tolist()]
-        act = expert_swiglu(self.linear_fc1(hidden, sizes))
-        act = (act * probs.unsqueeze(-1)).to(act.dtype)
+        act = expert_swiglu(self.linear_fc1(hidden, sizes), probs)
         return self.linear_fc2(act, sizes), None
 
     def backward_dw(self) -> None:

@@ -26,6 +26,7 @@ CHECKS = [
     "split_k",
     "grouped",
     "partials",
+    "swiglu",
 ]
 
 
@@ -324,7 +325,12 @@ def _check_split_k() -> None:
 
 
 def _check_grouped() -> None:
-    from minite_kernels.w4a4_gemm import DecodeConfig, grouped_nvfp4_gemm_sm90
+    from minite_kernels.w4a4_gemm import (
+        DecodeConfig,
+        LargeConfig,
+        grouped_nvfp4_gemm_sm90,
+        nvfp4_gemm_sm90,
+    )
 
     from minite_common import quantize_nvfp4
 
@@ -339,6 +345,17 @@ def _check_grouped() -> None:
     y2 = grouped_nvfp4_gemm_sm90(a, w, on_device, torch.float32,
                                  config=DecodeConfig(64, 16, 4, 1, 2), use_asm=False)  # fmt: skip
     assert torch.equal(y, y2)
+    # The pre-decoded (large) kernel, groups walked on the device, tiles crossing groups and
+    # experts: each group's rows as the dense kernel of the same tiles gives them (the
+    # interpreter's float32 dot sums a BLOCK_K at once, so compare within one configuration)
+    for cfg in (LargeConfig(64, 16, 64, 2, 4, 1), LargeConfig(64, 32, 32, 1, 4, 1)):
+        y3 = grouped_nvfp4_gemm_sm90(a, w, on_device, torch.float32, config=cfg, use_asm=False)
+        start = 0
+        for e, size in enumerate(sizes):
+            ae, we = a.narrow_rows(start, size), w.narrow_rows(e * n, n)
+            dense = nvfp4_gemm_sm90(ae, we, None, torch.float32, config=cfg, use_asm=False)
+            assert torch.equal(y3[start : start + size], dense), (cfg, e)
+            start += size
     start = 0
     for e, size in enumerate(sizes):
         if size:
@@ -386,6 +403,39 @@ def _check_partials() -> None:
         for s, e in zip(cuts[:-1], cuts[1:], strict=True)
     ]
     assert torch.equal(torch.cat(shards), parts)
+
+
+def _check_swiglu() -> None:
+    """The fused SwiGLU kernels' indexing, masks and formulas against the torch composition
+    (numpy's exp here, so within one BF16 rounding step; bitwise on the GPU: tests/gpu)."""
+    from minite_kernels.swiglu import swiglu_backward, swiglu_forward
+
+    from minite_common.grouped import _ExpertSwiGLU
+
+    for t, f, dtype in ((7, 40, torch.float32), (9, 600, torch.bfloat16), (1, 16, torch.bfloat16)):
+        g = torch.Generator().manual_seed(t)
+        x = (torch.randn(t, 2 * f, generator=g) * 4).to(dtype)
+        probs = torch.rand(t, generator=g)
+        grad = torch.randn(t, f, generator=g).to(dtype)
+        for p in (None, probs):
+            xr = x.clone().requires_grad_()
+            pr = probs.clone().requires_grad_()
+            act = _ExpertSwiGLU.apply(xr)
+            ref = act if p is None else (act * pr.unsqueeze(-1)).to(dtype)
+            ref.backward(grad)
+            y = swiglu_forward(x, p)
+            dx, dp = swiglu_backward(grad, x, p, need_probs_grad=True)
+            step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18
+            for got, want in ((y, ref.detach()), (dx, xr.grad)):
+                assert got.dtype == dtype and got.shape == want.shape
+                diff = (got.float() - want.float()).abs()
+                assert bool((diff <= step * (want.float().abs() + 1)).all()), float(diff.max())
+                if dtype == torch.bfloat16:  # float32 keeps the exps' last-bit differences
+                    assert float((got == want).float().mean()) > 0.97
+            if p is None:
+                assert dp is None
+            else:
+                torch.testing.assert_close(dp, pr.grad, rtol=2e-2, atol=1e-3)
 
 
 if __name__ == "__main__":

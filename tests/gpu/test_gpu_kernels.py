@@ -227,7 +227,7 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
 
 
 def test_grouped_gemm_equals_dense_per_group() -> None:
-    from minite_kernels.w4a4_gemm import DecodeConfig, grouped_nvfp4_gemm_sm90
+    from minite_kernels.w4a4_gemm import DecodeConfig, LargeConfig, grouped_nvfp4_gemm_sm90
 
     g, n, k = 8, 256, 1024
     w = quantize_nvfp4(_make("normal", g * n, k, 4).cuda(), amax="tensor", block_2d=True)
@@ -242,7 +242,8 @@ def test_grouped_gemm_equals_dense_per_group() -> None:
             assert torch.equal(y[start : start + size], dense), e
             dense32 = nvfp4_gemm(a.narrow_rows(start, size), w.narrow_rows(e * n, n),
                                  out_dtype=torch.float32)  # fmt: skip
-            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(128, 128, 8, 3)):
+            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(128, 128, 8, 3), LargeConfig(),
+                        LargeConfig(tma=False)):  # fmt: skip
                 got = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=cfg)
                 assert torch.equal(got[start : start + size], dense32), (e, cfg)
         start += size
@@ -257,6 +258,27 @@ def test_grouped_gemm_equals_dense_per_group() -> None:
                                   config=DecodeConfig(64, 16, 4, 4, split_k=2))  # fmt: skip
     ref = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=DecodeConfig(64, 16, 4, 4))
     assert torch.equal(got, ref)
+
+
+def test_grouped_large_path_equals_dense_per_group() -> None:
+    """Groups averaging over LARGE_M rows take the pre-decoded (TMA) kernel by default: each
+    group's rows bitwise the dense linear's, with K not a multiple of 128, an expert's rows not a
+    multiple of the weight tile (tiles reach into the next expert), empty and one-row groups."""
+    from minite_kernels.w4a4_gemm import LARGE_M
+
+    g, n, k = 4, 192, 1040
+    sizes = [0, 2100, 1, 700]
+    assert sum(sizes) > LARGE_M * g
+    w = quantize_nvfp4(_make("heavy", g * n, k, 8).cuda(), amax="tensor", block_2d=True)
+    x = _make("heavy", sum(sizes), k, 9).cuda().bfloat16()
+    y = grouped_w4a4_linear(x, w, torch.tensor(sizes, device="cuda"))
+    assert torch.equal(y, grouped_w4a4_linear(x, w, sizes))
+    start = 0
+    for e, size in enumerate(sizes):
+        if size:
+            dense = w4a4_linear(x[start : start + size], w.narrow_rows(e * n, n))
+            assert torch.equal(y[start : start + size], dense), e
+        start += size
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 256])
