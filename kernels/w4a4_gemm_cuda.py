@@ -58,6 +58,10 @@ _WS_RING_BYTES = 204800
 _WS_CTA_US = {64: 37.0, 128: 47.0, 256: 80.0}
 #: The wide-M kernel also serves 256 < M <= WS_MAX_M where K >= _WS_WIDE_MIN_K.
 WS_MAX_M = 1024
+#: The Triton large-M kernel's tile (weight rows, tokens: ``w4a4_gemm.LARGE_CONFIG``), and the M
+#: above which it takes over from the wide-M kernel where its grid fills the waves.
+LARGE_TILE = (128, 256)
+LARGE_OVER_WS_M = 896
 _WS_WIDE_MIN_K = 4096
 
 
@@ -169,7 +173,7 @@ def preferred(m: int, n: int, k: int, sms: int, ws: bool = True) -> bool:
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
     if m > MAX_M:
-        return ws and _ws_wide_serves(m, k)
+        return ws and _ws_wide_serves(m, k) and not _large_fills_waves(m, n, sms)
     if m <= SMALL_MAX_M:
         return False
     if ws and k % 32 == 0 and _ws_wanted(m, n, sms):
@@ -226,6 +230,17 @@ def _ws_wide_serves(m: int, k: int) -> bool:
     """Where the wide-M kernel also serves 256 < M <= 1024: K >= 4096 (faster than the Triton
     kernels on every such shape measured; at K = 2048 it was not)."""
     return m <= WS_MAX_M and k >= _WS_WIDE_MIN_K and k % 32 == 0
+
+
+def _large_fills_waves(m: int, n: int, sms: int) -> bool:
+    """Where the Triton large-M kernel beats the wide-M one below WS_MAX_M: M > LARGE_OVER_WS_M
+    and its LARGE_TILE grid fills the last wave to >= 90% (H200, M = 1024: 294 vs 316 us on
+    8192 x 8192, 447 vs 509 on 24576 x 4096, 228 vs 251 on 4096 x 12288, 81 vs 90 on 4096 x 4096;
+    it lost at 0.73 and 0.48 of a wave, 6144 x 4096 and 2048 x 4096, and at M = 640)."""
+    if m <= LARGE_OVER_WS_M:
+        return False
+    tiles = triton.cdiv(n, LARGE_TILE[0]) * triton.cdiv(m, LARGE_TILE[1])
+    return 10 * tiles >= 9 * triton.cdiv(tiles, sms) * sms
 
 
 def _ws_plan(m: int, n: int, sms: int) -> Plan:

@@ -54,6 +54,7 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     kernel (nor compile it)."""
     pytest.importorskip("triton")
     from minite_kernels import cuda_jit, w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import LARGE_CONFIG
 
     from minite_common import quantize_nvfp4
 
@@ -97,7 +98,11 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert not preferred(32, 8192, 8192, 132)
     assert preferred(32, 24576, 4096, 132)  # mid M: 384 CTAs
     assert preferred(65, 2048, 4096, 132)
-    assert preferred(256, 8192, 8192, 132) and preferred(1024, 24576, 4096, 132)
+    assert preferred(256, 8192, 8192, 132) and preferred(768, 24576, 4096, 132)
+    # M > 896 where the large-M kernel's grid fills >= 90% of its last wave: the Triton kernel
+    assert not preferred(1024, 24576, 4096, 132) and not preferred(1000, 8192, 8192, 132)
+    assert preferred(1024, 6144, 4096, 132) and preferred(1024, 2048, 4096, 132)
+    assert (LARGE_CONFIG.block_n, LARGE_CONFIG.block_m) == w4a4_gemm_cuda.LARGE_TILE
     assert not preferred(256, 8192, 8192, 132, ws=False)  # mid M: 512 CTAs
     assert not preferred(1024, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
 
