@@ -46,6 +46,18 @@ def _round_to(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F: tl.constexpr):
+    """Columns [f0, f0 + BLOCK_F) of the gate and up halves of rows ``rows64`` as float32 (zeros
+    outside), their column offsets and mask."""
+    cols = f0 + tl.arange(0, BLOCK_F)
+    mask = in_rows[:, None] & (cols < F)[None, :]
+    x = x_ptr + rows64[:, None] * stride_x + cols[None, :]
+    g = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x + F, mask=mask, other=0.0).to(tl.float32)
+    return g, u, cols, mask
+
+
+@triton.jit
 def _swiglu_forward_kernel(
     x_ptr, stride_x, p_ptr, y_ptr, stride_y, T, F,
     HAS_P: tl.constexpr, OUT_BF16: tl.constexpr, PRECISE: tl.constexpr,
@@ -58,11 +70,7 @@ def _swiglu_forward_kernel(
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = in_rows[:, None] & (cols < F)[None, :]
-        x = x_ptr + rows64[:, None] * stride_x + cols[None, :]
-        g = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x + F, mask=mask, other=0.0).to(tl.float32)
+        g, u, cols, mask = _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F)
         act = _round_to(tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)) * u, OUT_BF16, out_dtype)
         if HAS_P:
             act = _round_to(act * p[:, None], OUT_BF16, out_dtype)
@@ -84,11 +92,7 @@ def _swiglu_backward_kernel(
         p = tl.load(p_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     dp = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = in_rows[:, None] & (cols < F)[None, :]
-        x = x_ptr + rows64[:, None] * stride_x + cols[None, :]
-        g = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x + F, mask=mask, other=0.0).to(tl.float32)
+        g, u, cols, mask = _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F)
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         dy = dy.to(tl.float32)
         e = _exp(-g, PRECISE)

@@ -117,6 +117,18 @@ def _group_tile(sizes_ptr, G, pid_m, M, BLOCK_M: tl.constexpr, BLOCK_G: tl.const
 
 
 @triton.jit
+def _row_tile(
+    sizes, G, pid_m, M, N, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr
+):
+    """Row tile ``pid_m``: (first row, end row, its first weight row, whether it exists), of the
+    expert-grouped rows against their expert's weight rows (GROUPED) or of A."""
+    if GROUPED:
+        row_start, row_end, group = _group_tile(sizes, G, pid_m, M, BLOCK_M, BLOCK_G)
+        return row_start, row_end, group * N, group < G
+    return pid_m * BLOCK_M, M, 0, True
+
+
+@triton.jit
 def _w4a4_decode_gemm_kernel(
     a_words,
     stride_aw,
@@ -164,15 +176,9 @@ def _w4a4_decode_gemm_kernel(
     (PARTIALS_ONLY: nobody folds, the partials are the result)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if GROUPED:
-        row_start, row_end, group = _group_tile(sizes, G, pid_m, M, BLOCK_M, BLOCK_G)
-        if group >= G:
-            return
-        w_row0 = group * N
-    else:
-        row_start = pid_m * BLOCK_M
-        row_end = M
-        w_row0 = 0
+    row_start, row_end, w_row0, exists = _row_tile(sizes, G, pid_m, M, N, GROUPED, BLOCK_M, BLOCK_G)
+    if not exists:
+        return
     WORDS: tl.constexpr = CHUNK_K // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -305,15 +311,9 @@ def _bf16_gemm_kernel(
     group_n = min(tiles_n - first_n, GROUP_N)
     pid_n = first_n + (pid % per_group) % group_n
     pid_m = (pid % per_group) // group_n
-    if GROUPED:
-        row_start, row_end, group = _group_tile(sizes, G, pid_m, M, BLOCK_M, BLOCK_G)
-        if group >= G:
-            return
-        w_row0 = group * N
-    else:
-        row_start = pid_m * BLOCK_M
-        row_end = M
-        w_row0 = 0
+    row_start, row_end, w_row0, exists = _row_tile(sizes, G, pid_m, M, N, GROUPED, BLOCK_M, BLOCK_G)
+    if not exists:
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = row_start + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
