@@ -109,11 +109,11 @@ def scale_rows(
     return impl(acc, scale, out_dtype, rows_per_scale)
 
 
-def decoded_weight(w) -> torch.Tensor:
-    """BF16 ``code * scale * 2^-7`` of an NVFP4 weight in natural order, cached per version."""
+def decoded_weight(w, cache: bool = True) -> torch.Tensor:
+    """BF16 ``code * scale * 2^-7`` of an NVFP4 weight in natural order (cached per version)."""
     from .nvfp4_grad import decoded_weight as impl
 
-    return impl(w)
+    return impl(w, cache)
 
 
 def strict_kernels():

@@ -481,18 +481,20 @@ def scale_rows(
 _DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def decoded_weight(w) -> torch.Tensor:
+def decoded_weight(w, cache: bool = True) -> torch.Tensor:
     """BF16 [N, K] ``code * f32(scale) * 2^-7`` of the NVFP4 weight ``w`` [N, K] in natural K
-    order (exact; decode scales not applied), cached per weight version like the transposed
-    codes. dgrad's cuBLAS operand: ``dX = (G @ decoded) * 2^7 * S_dec(G)``."""
+    order (exact; decode scales not applied), cached per weight version (``cache``: 2 bytes per
+    weight element kept while ``w`` lives; else decoded anew and nothing kept). dgrad's cuBLAS
+    operand: ``dX = (G @ decoded) * 2^7 * S_dec(G)``."""
     key = (w.codes.data_ptr(), w.codes._version, w.scales._version)
-    cached = _DECODED.get(w)
-    if cached is not None and cached[0] == key:
+    cached = _DECODED.get(w) if cache else _DECODED.pop(w, None)
+    if cache and cached is not None and cached[0] == key:
         return cached[1]
     rows, k = w.rows, w.cols
     streams = decode_operand(w.codes, w.scales, use_asm=not _INTERPRETED)  # [N, chunks*256]
     chunks = streams.shape[1] // CHUNK
     natural = streams.view(rows, chunks, STREAMS, CHUNK // STREAMS).transpose(2, 3)
     result = natural.reshape(rows, chunks * CHUNK)[:, :k].contiguous()
-    _DECODED[w] = (key, result)
+    if cache:
+        _DECODED[w] = (key, result)
     return result

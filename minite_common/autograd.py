@@ -96,6 +96,11 @@ def nvfp4_wgrad(grad_out: torch.Tensor, x: torch.Tensor, recipe: NVFP4Recipe) ->
 
 #: Hopper backward through cuBLAS on exact BF16 operands (``MINITE_HOPPER_BACKWARD=nvfp4``: off).
 HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lower() != "nvfp4"
+#: Keep each NVFP4 weight's decoded BF16 copy (the Hopper dgrad operand) from one backward to the
+#: next while the weight is unchanged: 2 bytes per weight element, as much as the BF16 master
+#: weights. ``MINITE_CACHE_DECODED_WEIGHT=0``: decode it in every backward and keep nothing (one
+#: more read of the codes and write of the copy per linear and backward). Same bits either way.
+CACHE_DECODED_WEIGHT = os.environ.get("MINITE_CACHE_DECODED_WEIGHT", "1").strip() != "0"
 
 
 @functools.cache
@@ -167,7 +172,7 @@ def hopper_grad_operands(
     out = {"g_dec": g_dec}
     if need_dx:
         out["g_row"] = g_row
-        out["w"] = minite_kernels.decoded_weight(w_q)
+        out["w"] = minite_kernels.decoded_weight(w_q, CACHE_DECODED_WEIGHT)
     if need_dw:
         _, x_col, x_dec = minite_kernels.quantize_grad_operands(
             x, row=False, col=True, rht=wgrad_rht_matrix(recipe, x.device)

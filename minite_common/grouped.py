@@ -236,7 +236,7 @@ def _hopper_backward(
     )
     dx = dw = None
     if need_dx:
-        w = minite_kernels.decoded_weight(w_q)  # code * scale * 2^-7, cached per weight version
+        w = minite_kernels.decoded_weight(w_q, _autograd.CACHE_DECODED_WEIGHT)  # code*scale*2^-7
         acc = torch.empty(tokens, k, dtype=torch.float32, device=dev)
         _mm_per_group(g_row.split(sizes), w.view(groups, n, k).unbind(0), acc.split(sizes))
         scale = (g_dec[:, 0] * 128.0).repeat_interleave(

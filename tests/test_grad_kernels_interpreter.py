@@ -204,6 +204,11 @@ def check_backward() -> None:
     w_q = cat_rows([quantize_weight(w[:32]), quantize_weight(w[32:] * 50)])
     dec = decoded_weight(w_q)
     assert torch.equal(dec.float() * 128, _values(w_q)) and decoded_weight(w_q) is dec
+    fresh = decoded_weight(
+        w_q, cache=False
+    )  # MINITE_CACHE_DECODED_WEIGHT=0: the same bits, kept nowhere
+    assert fresh is not dec and torch.equal(fresh, dec)
+    assert decoded_weight(w_q) is not dec  # the cached copy was dropped
 
     def exact_mm(a, b, out=None):  # exact stand-in for cuBLAS
         result = a.double().mm(b.double()).float()
