@@ -9,14 +9,17 @@ holds them, and ``[experts, hidden, ffn]``), each a :func:`minite_common.grouped
 (the sampler's :func:`minite_common.grouped_w4a4_linear` forward, the recipe's per-expert NVFP4
 backward). Between them the sampler's MoE activation :func:`minite_common.expert_swiglu`
 (``bf16(silu(f32 gate) * f32 up)``, one rounding) and then the router probabilities as
-Megatron's expert MLP applies them (``bf16(act * prob)``).
+Megatron's expert MLP applies them (``bf16(act * prob)``): one fused kernel each way on the GPU.
 
 Against ``SequentialMLP`` with miniTE linears, every expert linear's output is bitwise the same
 (same weights, same per-HF-tensor quantization); the MoE output differs only through the
 activation: Megatron's local MLP computes ``bf16(bf16(silu(gate)) * up)`` (two roundings), which
 is why this module is opt-in (``grouped_experts=True`` of the miniTE spec functions and
 :func:`~minite_megatron.build_gpt_model_from_hf`). With that activation made the same, forward
-and (nearest-rounding) gradients are bitwise ``SequentialMLP``'s. Its HF names, capture records,
+and (nearest-rounding) gradients are bitwise ``SequentialMLP``'s (on a GPU the router
+probabilities' gradient, a row sum, runs in the fused kernel's order: equal up to float32
+rounding; on Hopper the experts' weight and input gradients are bitwise the per-expert cuBLAS
+backward's). Its HF names, capture records,
 quantized exports and distributed-checkpoint weight layout are ``SequentialMLP``'s per-expert
 ones (the plain ``state_dict`` holds the two stacked tensors).
 
