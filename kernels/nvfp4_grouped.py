@@ -142,8 +142,10 @@ def _grouped_grad_qdq_kernel(
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor copied to ``device`` without blocking the host: through pinned memory
-    on CUDA (a pageable copy would wait for all the work queued on the stream)."""
-    if torch.device(device).type != "cuda":
+    on CUDA (a pageable copy would wait for all the work queued on the stream). While a CUDA
+    graph is being captured it takes the plain copy, which refuses loudly (a captured copy from
+    a temporary pinned buffer would replay whatever that memory holds later)."""
+    if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
