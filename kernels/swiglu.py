@@ -46,6 +46,17 @@ def _round_to(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
 
 
 @triton.jit
+def _row_block(p_ptr, T, HAS_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's BLOCK_T rows: (in range, int64 indices, float32 probabilities or ones)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = rows < T
+    p = tl.full([BLOCK_T], 1.0, tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
+    return in_rows, rows.to(tl.int64), p
+
+
+@triton.jit
 def _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F: tl.constexpr):
     """Columns [f0, f0 + BLOCK_F) of the gate and up halves of rows ``rows64`` as float32 (zeros
     outside), their column offsets and mask."""
@@ -63,12 +74,8 @@ def _swiglu_forward_kernel(
     HAS_P: tl.constexpr, OUT_BF16: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = rows < T
-    rows64 = rows.to(tl.int64)
+    in_rows, rows64, p = _row_block(p_ptr, T, HAS_P, BLOCK_T)
     out_dtype: tl.constexpr = y_ptr.dtype.element_ty
-    if HAS_P:
-        p = tl.load(p_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     for f0 in range(0, F, BLOCK_F):
         g, u, cols, mask = _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F)
         act = _round_to(tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)) * u, OUT_BF16, out_dtype)
@@ -84,12 +91,8 @@ def _swiglu_backward_kernel(
     HAS_P: tl.constexpr, NEED_DP: tl.constexpr, OUT_BF16: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = rows < T
-    rows64 = rows.to(tl.int64)
+    in_rows, rows64, p = _row_block(p_ptr, T, HAS_P, BLOCK_T)
     out_dtype: tl.constexpr = dx_ptr.dtype.element_ty
-    if HAS_P:
-        p = tl.load(p_ptr + rows, mask=in_rows, other=0.0).to(tl.float32)
     dp = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
     for f0 in range(0, F, BLOCK_F):
         g, u, cols, mask = _gate_up_chunk(x_ptr, stride_x, rows64, in_rows, f0, F, BLOCK_F)
@@ -108,7 +111,7 @@ def _swiglu_backward_kernel(
         tl.store(dx, _round_to(d_gate, OUT_BF16, out_dtype).to(out_dtype), mask=mask)
         tl.store(dx + F, _round_to(d_up, OUT_BF16, out_dtype).to(out_dtype), mask=mask)
     if NEED_DP:
-        tl.store(dp_ptr + rows, tl.sum(dp, axis=1), mask=in_rows)
+        tl.store(dp_ptr + rows64, tl.sum(dp, axis=1), mask=in_rows)
 
 
 def _check(gate_up: torch.Tensor, probs: torch.Tensor | None, where: str) -> tuple[int, int]:
