@@ -378,6 +378,21 @@ def _attention_grads(
             dv.transpose(0, 1).to(v.dtype))  # fmt: skip
 
 
+def _backward_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """What both attention backwards start from, in ``dtype``: keys and values per query head
+    ([H, Tk, D], [H, Tk, Dv]), the key positions, and zero ``dk`` / ``dv`` accumulators."""
+    heads, dim = q.shape[1:]
+    tk, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    kf = _per_query_head(k, group, dtype)
+    vf = _per_query_head(v, group, dtype)
+    dk = torch.zeros(heads, tk, dim, dtype=dtype, device=q.device)
+    dv = torch.zeros(heads, tk, v.shape[-1], dtype=dtype, device=q.device)
+    return kf, vf, torch.arange(tk, device=q.device), dk, dv
+
+
 def _attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -392,17 +407,11 @@ def _attention_backward(
     ``dk_j = scale * sum_i ds_ij q_i``; query chunks added in order, query heads of a KV group
     added in order."""
     tq, heads, dim = q.shape
-    tk, kv_heads, _ = k.shape
-    dim_v = v.shape[-1]
-    group = heads // kv_heads
-    kf = _per_query_head(k, group, torch.float32)  # [H, Tk, D]
-    vf = _per_query_head(v, group, torch.float32)  # [H, Tk, Dv]
+    tk, dim_v = k.shape[0], v.shape[-1]
+    kf, vf, key_pos, dk, dv = _backward_operands(q, k, v, torch.float32)
     scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
-    key_pos = torch.arange(tk, device=q.device)
     chunk = max(1, CHUNK_ELEMENTS // max(1, heads * tk * max(dim, dim_v)))
     dq = []
-    dk = torch.zeros(heads, tk, dim, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(heads, tk, dim_v, dtype=torch.float32, device=q.device)
     for start in range(0, tq, chunk):
         qc = q[start : start + chunk].float().transpose(0, 1)  # [H, c, D]
         go = grad[start : start + chunk].float().transpose(0, 1)  # [H, c, Dv]
@@ -432,16 +441,9 @@ def _attention_backward_gemm(
     backward: a few cuBLAS calls per chunk of queries instead of the fixed-order sums' many
     elementwise passes). Deterministic on one GPU (no atomics), not the CPU's bits."""
     tq, heads, dim = q.shape
-    tk, kv_heads, _ = k.shape
-    dim_v = v.shape[-1]
-    group = heads // kv_heads
-    kf = _per_query_head(k, group, torch.float64)  # [H, Tk, D]
-    vf = _per_query_head(v, group, torch.float64)  # [H, Tk, Dv]
-    key_pos = torch.arange(tk, device=q.device)
-    chunk = max(1, CHUNK_ELEMENTS * 4 // max(1, heads * tk))  # [H, c, Tk] float64 scores
+    kf, vf, key_pos, dk, dv = _backward_operands(q, k, v, torch.float64)
+    chunk = max(1, CHUNK_ELEMENTS * 4 // max(1, heads * k.shape[0]))  # [H, c, Tk] float64 scores
     dq = []
-    dk = torch.zeros(heads, tk, dim, dtype=torch.float64, device=q.device)
-    dv = torch.zeros(heads, tk, dim_v, dtype=torch.float64, device=q.device)
     for start in range(0, tq, chunk):
         qc = q[start : start + chunk].double().transpose(0, 1)  # [H, c, D]
         go = grad[start : start + chunk].double().transpose(0, 1)  # [H, c, Dv]
