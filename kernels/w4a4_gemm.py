@@ -52,8 +52,6 @@ LARGE_M = 512
 SPLIT_WORKSPACE_BYTES = 32 << 20
 #: Split K until about this many programs per SM are in flight.
 SPLIT_PROGRAMS_PER_SM = 4
-#: Split-K tile counters per (device, stream); a launch with more tiles does not split.
-MAX_SPLIT_TILES = 1 << 16
 #: Triton's CPU interpreter keeps BF16 as raw uint16 and cannot multiply it: there the kernels
 #: feed float32 copies of the (exact) BF16 operands to an IEEE float32 dot (kernel-logic tests).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -409,23 +407,10 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 tile counters for split-K launches on ``device``'s current stream (each tile's
-    last program resets its counter, so they stay zero between launches and graph replays)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def _chunks_per_split(cfg: DecodeConfig, tiles: int, rows: int, n: int, k: int, device) -> int:
     """Fold chunks per program along K (all of them: no split) for a launch of ``tiles`` tiles."""
     n_chunks = triton.cdiv(k, FOLD)
-    if cfg.split_k == 1 or n_chunks == 1 or tiles > MAX_SPLIT_TILES:
+    if cfg.split_k == 1 or n_chunks == 1 or tiles > w4a4_gemm_cuda.MAX_SPLIT_TILES:
         return n_chunks
     if cfg.split_k:
         splits = cfg.split_k
@@ -482,7 +467,7 @@ def _launch_decode_gemm(
         counters = a_dec
     elif splits > 1:
         partials = torch.empty(triton.cdiv(k, FOLD), m, n, dtype=torch.float32, device=a.device)
-        counters = _split_counters(a.device)
+        counters = w4a4_gemm_cuda.split_counters(a.device)
     else:
         partials = counters = a_dec
     groups = sizes.numel() if sizes is not None else 1

@@ -1,5 +1,8 @@
 """The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small, mid and wide M: small and
-mid M decode the weight straight into wgmma's register operand (small M: the activation decoded
+mid M decode the weight straight into wgmma's register operand (small M, streamed: a persistent
+grid over (64 weight rows, 512-element fold chunk) units, a producer warpgroup filling a ring
+with the weight and the decoded activation slice, consumer warpgroups running the chains, the
+partials folded in order by the tile's last warpgroup; small M, clustered: the activation decoded
 from its codes into shared memory, split K over a thread-block cluster whose first CTA folds the
 partials from distributed shared memory; mid M: the activation decoded once by a first launch and
 streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
@@ -63,6 +66,18 @@ WS_MAX_M = 1024
 LARGE_TILE = (128, 256)
 LARGE_OVER_WS_M = 896
 _WS_WIDE_MIN_K = 4096
+#: Streamed small-M kernels (``STREAM_KERNEL`` in the CUDA source): batch rows per CTA, consumer
+#: warpgroups; ring stages of one unit (64 weight rows x 512 K: codes in rows padded to 288 bytes,
+#: scales, the activation's K slice decoded), as many as fit the ring (at most 7).
+_STREAM_BLOCK_MS = (8, 16)
+_STREAM_WARPGROUPS = (2, 3)
+#: Where the streamed kernel is the default: M <= 16 and at least this many weight elements (on
+#: the H200 it was 1.1-1.7x the previous default from N = 2048, K = 4096 up, except N = K = 8192
+#: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
+STREAM_MIN_WEIGHT = 1 << 23
+_STREAM_RING_BYTES = 200704
+#: Split-K tile counters per (device, stream); a launch with more tiles does not split.
+MAX_SPLIT_TILES = 1 << 16
 
 
 class _Params(ctypes.Structure):
@@ -93,6 +108,8 @@ class _Params(ctypes.Structure):
         ("sbo", ctypes.c_uint),
         ("a_image", ctypes.c_void_p),
         ("a_chunks", ctypes.c_int),
+        ("partials", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
     ]
 
 
@@ -101,7 +118,7 @@ class Plan(NamedTuple):
     count (the cluster size, small M), the (consumer) warpgroups per CTA (mid M, wide M) and the
     producer warpgroups (wide M)."""
 
-    family: str  # "small", "mid" or "ws" (wide M, warp-specialized)
+    family: str  # "small", "mid", "ws" (wide M, warp-specialized) or "stream" (small M)
     block_m: int
     per_split: int
     splits: int
@@ -109,6 +126,8 @@ class Plan(NamedTuple):
     producers: int = 0
 
     def kernel_name(self, even_k: bool) -> str:
+        if self.family == "stream":
+            return f"w4a4_stream_m{self.block_m}_w{self.warpgroups}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -118,12 +137,17 @@ class Plan(NamedTuple):
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def threads(self) -> int:
+        if self.family == "stream":  # and one producer warpgroup
+            return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
     def smem(self) -> int:
         """Dynamic shared memory per CTA (bytes)."""
         if self.family == "small":
             return self.per_split * self.block_m * 1024
+        if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
+            stage = ROWS * (288 + 32) + self.block_m * 1024
+            return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -142,6 +166,11 @@ def _kernel_names() -> list[str]:
     small = [Plan("small", b, 1, s) for b in _BLOCK_MS for s in _SPLITS]
     mid = [Plan("mid", b, 1, 1, w) for b in _MID_BLOCK_MS for w in (1, 2)]
     gemms = [p.kernel_name(e) for p in small + mid + list(WS_PLANS) for e in (False, True)]
+    gemms += [
+        Plan("stream", b, 1, 1, w).kernel_name(True)
+        for b in _STREAM_BLOCK_MS
+        for w in _STREAM_WARPGROUPS
+    ]
     return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS + _WS_BLOCK_MS]
 
 
@@ -158,18 +187,21 @@ def _broken(index: int) -> str | None:
 def serves(a, w, y: torch.Tensor) -> bool:
     """Whether this GEMM goes to the CUDA C++ kernel (the mode, the shape, the device)."""
     mode = cuda_jit.mode()
-    ws = ws_fits(w)
-    if mode == "off" or not supports(a, w, y, ws):
+    ws, streamed = ws_fits(w), stream_fits(a, w)
+    if mode == "off" or not supports(a, w, y, ws, streamed):
         return False
     if not available(a.codes.device):
         return False
-    return mode == "on" or preferred(a.rows, w.rows, w.cols, _sms(a.codes.device), ws)
+    sms = _sms(a.codes.device)
+    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws, streamed)
 
 
-def preferred(m: int, n: int, k: int, sms: int, ws: bool = True) -> bool:
+def preferred(m: int, n: int, k: int, sms: int, ws: bool = True, stream: bool = True) -> bool:
     """Whether an M x N x K GEMM measured faster here than in the Triton kernel (the ``auto``
-    mode's choice; ``ws``: the wide-M kernel can read the weight; H200 figures in
-    benchmarks/NOTES_kernels.md)."""
+    mode's choice; ``ws`` / ``stream``: the wide-M / streamed kernel can read the operands; H200
+    figures in benchmarks/NOTES_kernels.md)."""
+    if stream and _stream_wanted(m, n, k):
+        return True
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
     if m > MAX_M:
@@ -199,11 +231,13 @@ def available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9 and _broken(index) is None
 
 
-def supports(a, w, y: torch.Tensor, ws: bool | None = None) -> bool:
-    """Whether these operands fit the kernel (rows, K, alignment, output dtype; ``ws``: the
-    result of :func:`ws_fits`, computed when None)."""
+def supports(a, w, y: torch.Tensor, ws: bool | None = None, streamed: bool | None = None) -> bool:
+    """Whether these operands fit the kernel (rows, K, alignment, output dtype; ``ws`` /
+    ``streamed``: the results of :func:`ws_fits` / :func:`stream_fits`, computed when None)."""
     aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
-    how = plan(a.rows, w.rows, a.cols, 132, ws=ws_fits(w) if ws is None else ws)
+    ws = ws_fits(w) if ws is None else ws
+    streamed = stream_fits(a, w) if streamed is None else streamed
+    how = plan(a.rows, w.rows, a.cols, 132, ws=ws, stream=streamed)
     return y.dtype in _OUT_KINDS and aligned and how is not None
 
 
@@ -218,6 +252,60 @@ def ws_fits(w) -> bool:
         and scales.data_ptr() % 2 == 0
         and scales.stride(0) % 2 == 0
     )
+
+
+def stream_fits(a, w) -> bool:
+    """Whether the streamed small-M kernel can read these operands: 16-byte copies of whole
+    256-element K slices (K % 256 == 0; codes and scales 16-byte aligned, rows too) and a
+    tile counter per 64 weight rows."""
+    return (
+        w.cols % 256 == 0
+        and triton.cdiv(w.rows, ROWS) <= MAX_SPLIT_TILES
+        and all(
+            t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1
+            for t in (a.codes, w.codes, a.scales, w.scales)
+        )
+    )
+
+
+def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None) -> Plan | None:
+    """The streamed small-M kernel's plan for M <= 16: batch tile 8 or 16; ``warpgroups``
+    consumers, by default two while there are at most two units per SM (then every warpgroup
+    has one unit and the grid spans more SMs), else three (measured faster on both sides); the
+    grid is :func:`stream_grid`."""
+    if m > _STREAM_BLOCK_MS[-1] or k % 256:
+        return None
+    bm = next(b for b in _STREAM_BLOCK_MS if m <= b)
+    units = triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
+    wgs = warpgroups or (2 if units <= 2 * sms else 3)
+    return Plan("stream", bm, 1, 1, wgs) if wgs in _STREAM_WARPGROUPS else None
+
+
+def _stream_wanted(m: int, n: int, k: int) -> bool:
+    """Where the streamed kernel is the default (see ``STREAM_MIN_WEIGHT``)."""
+    return m <= _STREAM_BLOCK_MS[-1] and k % 256 == 0 and n * k >= STREAM_MIN_WEIGHT
+
+
+def stream_grid(n: int, k: int, sms: int, how: Plan) -> int:
+    """CTAs of a streamed launch: one per SM at most, and about ``how.warpgroups`` units each
+    (a unit: 64 weight rows x one 512-element fold chunk)."""
+    units = triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
+    return min(sms, triton.cdiv(units, how.warpgroups))
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 tile counters for split-K launches on ``device``'s current stream, shared by
+    the Triton decode kernel and the streamed kernel (each tile's last program resets its
+    counter, so they stay zero between launches and graph replays; launches on one stream never
+    overlap them)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _ws_wanted(m: int, n: int, sms: int) -> bool:
@@ -261,11 +349,15 @@ def plan(
     splits: int | None = None,
     warpgroups: int | None = None,
     ws: bool = True,
+    stream: bool = False,
 ) -> Plan | None:
     """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` / ``warpgroups`` force the cluster
-    size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws``: the
-    wide-M kernel can read the weight, see :func:`ws_fits`); None when the kernels cannot serve
-    it (M too large, K too long for a cluster's shared memory)."""
+    size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws`` /
+    ``stream``: the wide-M / streamed kernel can read the operands, see :func:`ws_fits` and
+    :func:`stream_fits`); None when the kernels cannot serve it (M too large, K too long for a
+    cluster's shared memory)."""
+    if stream and splits is None and warpgroups is None and _stream_wanted(m, n, k):
+        return stream_plan(m, n, k, sms)
     wide = splits is None and warpgroups is None and ws and k % 32 == 0
     if m > MAX_M:
         return _ws_plan(m, n, sms) if wide and _ws_wide_serves(m, k) else None
@@ -310,7 +402,7 @@ def gemm(
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
     fits = ws_fits(w)
-    how = how or plan(m, n, k, sms, splits, warpgroups, fits)
+    how = how or plan(m, n, k, sms, splits, warpgroups, fits, stream_fits(a, w))
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
@@ -318,6 +410,11 @@ def gemm(
         )
     if how.family == "ws" and not fits:
         raise ValueError("the wide-M CUDA C++ GEMM needs K % 32 == 0 and 16-byte aligned codes")
+    if how.family == "stream" and not (m <= how.block_m and stream_fits(a, w)):
+        raise ValueError(
+            f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
+            "K % 256 == 0 and 16-byte aligned codes and scales"
+        )
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
@@ -326,8 +423,12 @@ def gemm(
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
-    image = None
-    if how.family != "small":  # the activation decoded once into its shared-memory image
+    image = partials = counters = None
+    if how.family == "stream":
+        units = n_tiles * triton.cdiv(k, FOLD)
+        partials = torch.empty(units * 128 * how.block_m // 2, dtype=torch.float32, device=device)
+        counters = split_counters(device)
+    elif how.family != "small":  # the activation decoded once into its shared-memory image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
@@ -339,6 +440,8 @@ def gemm(
         adec.stride(0) if a.decode_scale.dim() else 0,
         m, n, k, how.per_split, _OUT_KINDS[y.dtype], LBO, SBO,
         image.data_ptr() if image is not None else None, a_chunks,
+        partials.data_ptr() if partials is not None else None,
+        counters.data_ptr() if counters is not None else None,
     )  # fmt: skip
     index = device.index if device.index is not None else torch.cuda.current_device()
     defines = ("MINITE_PHASE_TIMING",) if phase_times is not None else ()
@@ -347,12 +450,14 @@ def gemm(
     )
     if how.family == "small":
         grid = (n_tiles, how.splits, m_tiles)
+    elif how.family == "stream":
+        grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
         grid = (m_tiles, n_tiles, 1)
-    kernel = kernels[how.kernel_name(k % CHUNK == 0)]
+    kernel = kernels[how.kernel_name(how.family == "stream" or k % CHUNK == 0)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

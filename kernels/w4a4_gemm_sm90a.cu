@@ -148,6 +148,8 @@ struct Params {
   u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
   const unsigned char* a_image;  // mid M: the decoded activation, [M tiles][chunks][BM * 256 B]
   int a_chunks;                  // chunks per row of a_image (K padded to 128)
+  float* partials;               // streamed: [units][128 threads][BM / 2] fold-chunk partials
+  int* counters;                 // streamed: [N tiles] arrivals, zero before and after a launch
 };
 
 // Row pointers of one thread: rows r0 and r0+8 (clamped), words from 2t, scale bytes from t.
@@ -936,3 +938,282 @@ extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m128(const Par
 extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m256(const Params p) {
   decode_act_image<256>(p);
 }
+// ---- Small M, streamed: a persistent grid over (weight tile, fold chunk) units ----
+//
+// Same K order and fold as above. The work is U = N tiles x fold chunks units of 64 weight rows x
+// 512 K; CTA b takes the contiguous units [b U / G, (b + 1) U / G), tile-major, so a tile's fold
+// chunks sit in one or two CTAs. A producer warpgroup fills a STAGES-deep ring, one unit per stage:
+// the weight codes and scales (16-byte cp.async: per-row bulk copies measured 3x slower, the copy
+// engine being slow per request, and TMA boxes no faster) and the activation's K slice decoded
+// into wgmma's B layout. NWG
+// consumer warpgroups take the CTA's units in turn and run each fold chunk's chain with the weight
+// decoded from the stage into register A fragments. Partials go to a global workspace; when a
+// warpgroup leaves a tile it adds its units to the tile's arrival counter, and the one that
+// completes the count folds the tile's partials in chunk order, stores the output and zeroes the
+// counter for the next launch. Tiles of a single fold chunk store directly. The host requires
+// K % 256 == 0 and 16-byte aligned rows.
+
+#define LBO_BYTES 128  // B core matrices: along K (LBO) and along the rows (SBO)
+#define SBO_BYTES 256
+
+template <int BM>
+struct StreamShape {
+  static constexpr int W_STRIDE = 288;  // 256 bytes of codes per row and fold chunk, padded
+  static constexpr int W_CODES = ROWS * W_STRIDE;
+  static constexpr int W_SCALES = ROWS * 32;
+  static constexpr int B_BYTES = BM * 1024;  // the fold chunk's activation, decoded (wgmma B)
+  static constexpr int STAGE = W_CODES + W_SCALES + B_BYTES;
+  static constexpr int STAGES = 200704 / STAGE < 7 ? 200704 / STAGE : 7;  // w4a4_gemm_cuda.py
+};
+
+// This thread's weight data of chunk c of a stage: rows r0 = 16 warp + g and r0 + 8, words
+// {2t, 2t+1} and {2t+8, 2t+9}, scale bytes t and t + 4 (the layout load_raw reads from global).
+// Rows are 288 bytes apart, so the warp's eight rows hit distinct banks.
+__device__ __forceinline__ void stream_raw(const unsigned char* stage, int r0, int c, int t,
+                                           Raw& r) {
+  const unsigned char* w0 = stage + r0 * 288 + c * 64 + 8 * t;
+  const unsigned char* w1 = w0 + 8 * 288;
+  const uint2 a = *(const uint2*)w0, b = *(const uint2*)w1;
+  const uint2 cc = *(const uint2*)(w0 + 32), d = *(const uint2*)(w1 + 32);
+  r.w[0] = a.x; r.w[1] = a.y; r.w[2] = b.x; r.w[3] = b.y;
+  r.w[4] = cc.x; r.w[5] = cc.y; r.w[6] = d.x; r.w[7] = d.y;
+  const unsigned char* s0 = stage + ROWS * 288 + r0 * 32 + c * 8 + t;
+  r.s[0] = s0[0];
+  r.s[1] = s0[8 * 32];
+  r.s[2] = s0[4];
+  r.s[3] = s0[8 * 32 + 4];
+}
+
+// 16 bytes from global to shared memory (cp.async, L2 only).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// A producer thread's share of one unit's activation slice: (row, chunk, code-word pair) items
+// tid + 128 j, their words and scale bytes (zeros past M and K).
+template <int BM>
+struct StreamAct {
+  static constexpr int PER = BM * FOLD_CHUNKS * 8 / 128;
+  uint2 w[PER];
+  u32 s[PER];
+};
+
+template <int BM>
+__device__ __forceinline__ void stream_load_act(const Params& p, int u, int n_folds, int k_chunks,
+                                                int tid, StreamAct<BM>& act) {
+  const int f = u % n_folds, n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+#pragma unroll
+  for (int j = 0; j < StreamAct<BM>::PER; ++j) {
+    const int id = tid + 128 * j, tp = id & 7, rc = id >> 3, r = rc % BM, c = rc / BM;
+    act.w[j] = make_uint2(0, 0);
+    act.s[j] = 0;
+    if (r < p.M && c < n_ch) {
+      act.w[j] = __ldg((const uint2*)(p.a_words + r * p.stride_aw + (f * 4 + c) * 16 + 2 * tp));
+      act.s[j] = __ldg(p.a_scales + r * p.stride_as + (f * 4 + c) * 8 + tp);
+    }
+  }
+}
+
+// The producer warpgroup: unit i of this CTA into stage i % STAGES. The weight by 16-byte cp.async
+// copies (sixteen threads per 256-byte row of codes: coalesced) that complete on the stage's full
+// barrier (one arrival per thread); the activation slice read (two units ahead) and decoded into
+// the stage's B block by the same threads (a second arrival each). Rows past N are not copied and
+// activation rows past M not written (they only feed outputs that are never stored), nor chunks
+// past K.
+template <int BM>
+__device__ __forceinline__ void stream_produce(const Params& p, unsigned char* smem, u32 base,
+                                               u32 bars, int u0, int u1, int n_folds,
+                                               int k_chunks, int tid) {
+  using S = StreamShape<BM>;
+  const unsigned char* w_codes = (const unsigned char*)p.w_words;
+  const long long w_row = p.stride_ww * 4;
+  // the weight is no previous kernel's output: pull the first units into L2 before waiting
+  for (int u = u0; u < u1 && u < u0 + S::STAGES; ++u) {
+    const int n0 = (u / n_folds) * ROWS, f = u % n_folds, r = tid >> 1;
+    if (n0 + r < p.N)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row + f * 256 +
+                                                    (tid & 1) * 128));
+  }
+  wait_previous_kernel();
+  StreamAct<BM> ahead[2];
+  if (u0 < u1) stream_load_act<BM>(p, u0, n_folds, k_chunks, tid, ahead[0]);
+  if (u0 + 1 < u1) stream_load_act<BM>(p, u0 + 1, n_folds, k_chunks, tid, ahead[1]);
+  for (int i = 0; u0 + i < u1; ++i) {
+    const int u = u0 + i, s = i % S::STAGES, round = i / S::STAGES;
+    const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
+    const u32 stage = base + s * S::STAGE;
+    const int n0 = (u / n_folds) * ROWS, f = u % n_folds;
+    const int n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+    if (round > 0) mbar_wait(empty, (round - 1) & 1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // weight codes: 64 rows x 16 granules
+      const int id = tid + 128 * j, r = id >> 4, col = (id & 15) * 16;
+      if (n0 + r < p.N && col < n_ch * 64)
+        cp_async16(stage + r * S::W_STRIDE + col, w_codes + (n0 + r) * w_row + f * 256 + col);
+    }
+    {  // weight scales: 64 rows x 2 granules
+      const int r = tid >> 1, col = (tid & 1) * 16;
+      if (n0 + r < p.N && col < n_ch * 8)
+        cp_async16(stage + S::W_CODES + r * 32 + col,
+                   p.w_scales + (n0 + r) * p.stride_ws + f * 32 + col);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+    const StreamAct<BM> cur = ahead[0];
+    ahead[0] = ahead[1];
+    if (u + 2 < u1) stream_load_act<BM>(p, u + 2, n_folds, k_chunks, tid, ahead[1]);
+    unsigned char* bdst = smem + s * S::STAGE + S::W_CODES + S::W_SCALES;
+#pragma unroll
+    for (int j = 0; j < StreamAct<BM>::PER; ++j) {
+      const int id = tid + 128 * j, tp = id & 7, rc = id >> 3, r = rc % BM, c = rc / BM;
+      if (r < p.M && c < n_ch) {
+        u32 o[8];
+        decode_pair(cur.w[j].x, cur.w[j].y, cur.s[j], o);
+        unsigned char* dst = bdst + c * 8 * (BM * 32) + (r / 8) * SBO_BYTES +
+                             (tp / 4) * LBO_BYTES + (r % 8) * 16 + (tp % 4) * 4;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for the consumers' wgmma
+    mbar_arrive(full);
+  }
+}
+
+// A consumer warpgroup's unit: the fold chunk's chain, the weight decoded from the stage into
+// register fragments; chunk c + 1 is decoded while chunk c's chain runs (one chain in flight).
+template <int BM>
+__device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stage_addr, int n_ch,
+                                            int tid, Acc<BM>& part) {
+  using S = StreamShape<BM>;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int r0 = 16 * warp + (lane >> 2), t = lane & 3;
+  const u64 desc0 = smem_desc(stage_addr + S::W_CODES + S::W_SCALES, LBO_BYTES, SBO_BYTES);
+  Raw raw;
+  u32 a[2][8][4];
+  stream_raw(stage, r0, 0, t, raw);
+  decode_raw(raw, a[0]);
+#pragma unroll
+  for (int c = 0; c < FOLD_CHUNKS; ++c) {
+    if (c < n_ch) {
+      issue_chunk<BM>(part, a[c & 1], desc0 + (u64)(c * 8 * BM * 2), c == 0);
+      if (c + 1 < n_ch) {
+        stream_raw(stage, r0, c + 1, t, raw);
+        decode_raw(raw, a[(c + 1) & 1]);
+      }
+      wgmma_wait<0>();
+    }
+  }
+  fence_acc(part);
+}
+
+// Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
+// the tile's arrivals).
+template <int BM>
+__device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
+  Acc<BM> acc;
+#pragma unroll
+  for (int e = 0; e < BM / 2; ++e) acc.d[e] = 0.f;
+  const float4* col =
+      (const float4*)(p.partials + ((long long)tile * n_folds * 128 + tid) * (BM / 2));
+  for (int f0 = 0; f0 < n_folds; f0 += 4) {  // four partials in flight, then added in order
+    float v[4][BM / 2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (f0 + j < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BM / 8; ++e) {
+          const float4 x = __ldcg(col + (long long)(f0 + j) * 128 * (BM / 8) + e);
+          v[j][4 * e] = x.x; v[j][4 * e + 1] = x.y; v[j][4 * e + 2] = x.z; v[j][4 * e + 3] = x.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (f0 + j < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BM / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], v[j][e]);
+      }
+    }
+  }
+  store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3);
+}
+
+template <int BM, int NWG>
+__device__ __forceinline__ void gemm_stream(const Params& p) {
+  using S = StreamShape<BM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 base = (u32)__cvta_generic_to_shared(smem);
+  const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
+  int* last = (int*)(smem + S::STAGES * S::STAGE + 16 * S::STAGES);
+  const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128;
+  const int units = ((p.N + ROWS - 1) / ROWS) * n_folds;
+  const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
+  const int u1 = (int)((long long)(blockIdx.x + 1) * units / gridDim.x);
+  // warp-uniform for the compiler (see gemm_ws)
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::STAGES; ++s) {
+      mbar_init(bars + 8 * s, 256);                // each producer thread: copies, stores
+      mbar_init(bars + 8 * (S::STAGES + s), 128);  // the consuming warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == NWG) {
+    stream_produce<BM>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
+    return;
+  }
+  wait_previous_kernel();
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  int run = 0;  // this warpgroup's units of the current tile whose arrival is not yet counted
+  for (int i = wg; u0 + i < u1; i += NWG) {
+    const int u = u0 + i, s = i % S::STAGES;
+    const int tile = u / n_folds;
+    const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
+    mbar_wait(bars + 8 * s, (i / S::STAGES) & 1);
+    Acc<BM> part;
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) part.d[e] = 0.f;
+    stream_unit<BM>(smem + s * S::STAGE, base + s * S::STAGE, n_ch, tid, part);
+    mbar_arrive(bars + 8 * (S::STAGES + s));  // every read of the stage is done
+    if (n_folds == 1) {  // the fold of one chunk: 0 + p_0 (a -0 partial becomes +0)
+#pragma unroll
+      for (int e = 0; e < BM / 2; ++e) part.d[e] = __fadd_rn(0.f, part.d[e]);
+      store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t);
+      continue;
+    }
+    float4* mine = (float4*)(p.partials + ((long long)u * 128 + tid) * (BM / 2));
+#pragma unroll
+    for (int e = 0; e < BM / 8; ++e)
+      mine[e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+    ++run;
+    const int next = u + NWG;
+    if (next < u1 && next / n_folds == tile) continue;
+    // leaving the tile: count this warpgroup's units of it (the barrier orders the warpgroup's
+    // partial stores before thread 0's fence, which makes them visible GPU-wide before its
+    // arrival); the last arrival folds
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    if (tid == 0) {
+      __threadfence();
+      const int done = atomicAdd(p.counters + tile, run) + run == n_folds;
+      if (done) __threadfence();  // acquire: the other partials before the fold's loads
+      last[wg] = done;
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    run = 0;
+    if (!last[wg]) continue;
+    stream_fold<BM>(p, tile, n_folds, tid);
+    if (tid == 0) p.counters[tile] = 0;
+  }
+}
+
+#define STREAM_KERNEL(BM, NWG)                                                               \
+  extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+      w4a4_stream_m##BM##_w##NWG(const Params p) {                                           \
+    gemm_stream<BM, NWG>(p);                                                                 \
+  }
+STREAM_KERNEL(8, 2)
+STREAM_KERNEL(8, 3)
+STREAM_KERNEL(16, 2)
+STREAM_KERNEL(16, 3)

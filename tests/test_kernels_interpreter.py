@@ -91,7 +91,20 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     # the auto mode's choices (where each kernel measured faster than the Triton one)
     preferred = w4a4_gemm_cuda.preferred
     assert preferred(1, 5120, 2048, 132)
-    assert not preferred(1, 8192, 8192, 132)
+    # M <= 16: the streamed kernel from 8 Mi weight elements (where it reads the operands), two
+    # consumer warpgroups while there are at most two units per SM
+    assert preferred(1, 8192, 8192, 132) and preferred(16, 2048, 4096, 132)
+    assert not preferred(1, 8192, 8192, 132, stream=False)
+    assert not preferred(16, 1536, 2048, 132) and not preferred(17, 8192, 8192, 132, ws=False)
+    assert plan(1, 8192, 8192, 132, stream=True) == ("stream", 8, 1, 1, 3, 0)
+    assert plan(16, 2048, 4096, 132, stream=True) == ("stream", 16, 1, 1, 2, 0)
+    assert plan(8, 8192, 8192 + 128, 132, stream=True).family == "small"  # K % 256 != 0
+    assert plan(4, 1024, 2048, 132, stream=True).family == "small"  # 2 Mi weight elements
+    assert plan(1, 8192, 8192, 132, splits=2, stream=True).family == "small"
+    a_k, w_k = quantize_nvfp4(torch.randn(2, 512)), quantize_nvfp4(torch.randn(64, 512))
+    a_odd = quantize_nvfp4(torch.randn(2, 2064))
+    assert w4a4_gemm_cuda.stream_fits(a_k, w_k) and not w4a4_gemm_cuda.stream_fits(a, w)  # K 64
+    assert not w4a4_gemm_cuda.stream_fits(a_odd, w_odd)
     assert preferred(64, 8192, 8192, 132)  # wide M: 128 CTAs
     assert not preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
     assert not preferred(64, 24576, 4096, 132)  # 384 CTAs: 1.5 waves
@@ -326,7 +339,7 @@ def _check_split_k() -> None:
             cfg = DecodeConfig(64, 16, 4, 1, splits, a_decoded)
             y = nvfp4_gemm_sm90(a, w, None, torch.float32, config=cfg, use_asm=False)
             assert torch.equal(y, base), cfg
-    assert int(g._split_counters(a.device).abs().sum()) == 0
+    assert int(g.w4a4_gemm_cuda.split_counters(a.device).abs().sum()) == 0
 
 
 def _check_grouped() -> None:

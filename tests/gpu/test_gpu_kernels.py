@@ -382,6 +382,57 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
             assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
+    """The streamed small-M kernel (persistent grid over weight-tile x fold-chunk units, partials
+    folded in order by each tile's last warpgroup) gives the Triton decode GEMM's bits at every
+    M <= 16, with two or three consumer warpgroups: one unit per warpgroup and many, a last fold
+    chunk of 256 elements, N not a multiple of 64, a single fold chunk (direct store), bias,
+    heavy tails, per-tensor activation scales; its tile counters are left at zero; the default
+    dispatch sends large weights to it; a CUDA graph replays it on new inputs."""
+    from minite_kernels import w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    device = torch.device("cuda")
+    assert w4a4_gemm_cuda.available(device), w4a4_gemm_cuda._broken(0)
+    for n, k in ((8192, 8192), (2048, 4096), (4096, 2304), (1000, 768), (200, 512), (64, 256)):
+        w = quantize_nvfp4(_make("heavy", n, k, n).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
+        for m in (1, 2, 5, 8, 9, 13, 16):
+            for kind, amax in (("heavy", "row"), ("blocks", "tensor")):
+                a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
+                assert w4a4_gemm_cuda.stream_fits(a, w)
+                want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
+                for wgs in (2, 3):
+                    got = torch.full_like(want, float("nan"))
+                    how = w4a4_gemm_cuda.stream_plan(m, n, k, 132, wgs)
+                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
+                    where = (n, k, m, kind, wgs)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
+    assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+    y = torch.empty(1, 4096, device="cuda")
+    w = quantize_nvfp4(_make("normal", 2048, 4096, 3).cuda(), amax="tensor", block_2d=True)
+    a = quantize_nvfp4(torch.zeros(1, 4096, device="cuda"))
+    assert w4a4_gemm_cuda.plan(1, 2048, 4096, 132, ws=True, stream=True).family == "stream"
+    assert w4a4_gemm_cuda.serves(a, w, y[:, :2048].contiguous())
+    # captured and replayed in a CUDA graph, on new inputs
+    for rows in (1, 4, 16):
+        x = torch.zeros(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        for seed in (1, 2):
+            x.copy_(_make("normal", rows, 4096, seed).cuda())
+            graph.replay()
+            config = decode_config(rows)
+            want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=config)
+            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
+    assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+
+
 def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
     """nvfp4_gemm_partials of K shards starting on multiples of 512, concatenated and folded by
     fold_partials, equal the unsharded GEMM bitwise (BF16 and float32 out, bias, every M path)."""
