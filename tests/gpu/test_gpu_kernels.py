@@ -331,6 +331,26 @@ def test_w4a4_linear_matches_cpu_path() -> None:
     assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()
 
 
+def _assert_graph_replays_same_bits(w: NVFP4Tensor, rows_list, out_dtype: torch.dtype) -> None:
+    """The default GEMM of ``rows`` x K activations against ``w``, captured in a CUDA graph and
+    replayed on new inputs, gives the Triton decode GEMM's bits."""
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    k = w.cols
+    for rows in rows_list:
+        x = torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16)
+        nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
+        for seed in (1, 2):
+            x.copy_(_make("normal", rows, k, seed).cuda())
+            graph.replay()
+            config = decode_config(rows)
+            want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=config)
+            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
+
+
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtype) -> None:
     """The CUDA C++ GEMMs (wgmma with the weight decoded into registers; small M with the whole
@@ -366,20 +386,10 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, kind)
-    # captured and replayed in a CUDA graph, on new inputs
+    # captured and replayed in a CUDA graph, on new inputs: the small-, mid- and wide-M kernels
+    # (the activation decode too)
     w = quantize_nvfp4(_make("normal", 1024, 2048, 7).cuda(), amax="tensor", block_2d=True)
-    for rows in (4, 40, 100):  # the small-, mid- and wide-M kernels (the activation decode too)
-        x = torch.zeros(rows, 2048, device="cuda", dtype=torch.bfloat16)
-        nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-        for seed in (1, 2):
-            x.copy_(_make("normal", rows, 2048, seed).cuda())
-            graph.replay()
-            config = decode_config(rows)
-            want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=config)
-            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
+    _assert_graph_replays_same_bits(w, (4, 40, 100), out_dtype)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -389,7 +399,8 @@ def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     M <= 16, with two or three consumer warpgroups: one unit per warpgroup and many, a last fold
     chunk of 256 elements, N not a multiple of 64, a single fold chunk (direct store), bias,
     heavy tails, per-tensor activation scales; its tile counters are left at zero; the default
-    dispatch sends large weights to it; a CUDA graph replays it on new inputs."""
+    dispatch sends large weights to it; a CUDA graph replays it on new inputs (the counters
+    buffer of the capture stream included)."""
     from minite_kernels import w4a4_gemm_cuda
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
 
@@ -417,19 +428,7 @@ def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     a = quantize_nvfp4(torch.zeros(1, 4096, device="cuda"))
     assert w4a4_gemm_cuda.plan(1, 2048, 4096, 132, ws=True, stream=True).family == "stream"
     assert w4a4_gemm_cuda.serves(a, w, y[:, :2048].contiguous())
-    # captured and replayed in a CUDA graph, on new inputs
-    for rows in (1, 4, 16):
-        x = torch.zeros(rows, 4096, device="cuda", dtype=torch.bfloat16)
-        nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype)
-        for seed in (1, 2):
-            x.copy_(_make("normal", rows, 4096, seed).cuda())
-            graph.replay()
-            config = decode_config(rows)
-            want = nvfp4_gemm_sm90(quantize_nvfp4(x), w, None, out_dtype, config=config)
-            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)), (rows, seed)
+    _assert_graph_replays_same_bits(w, (1, 4, 16), out_dtype)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
 
 
