@@ -126,6 +126,8 @@ class Plan(NamedTuple):
     producers: int = 0
 
     def kernel_name(self, even_k: bool) -> str:
+        """The CUDA kernel's name (``even_k``: K % 128 == 0; the streamed kernel has one
+        variant, its K is a multiple of 256)."""
         if self.family == "stream":
             return f"w4a4_stream_m{self.block_m}_w{self.warpgroups}"
         if self.family == "small":
@@ -276,8 +278,7 @@ def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None)
     if m > _STREAM_BLOCK_MS[-1] or k % 256:
         return None
     bm = next(b for b in _STREAM_BLOCK_MS if m <= b)
-    units = triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
-    wgs = warpgroups or (2 if units <= 2 * sms else 3)
+    wgs = warpgroups or (2 if stream_units(n, k) <= 2 * sms else 3)
     return Plan("stream", bm, 1, 1, wgs) if wgs in _STREAM_WARPGROUPS else None
 
 
@@ -286,11 +287,14 @@ def _stream_wanted(m: int, n: int, k: int) -> bool:
     return m <= _STREAM_BLOCK_MS[-1] and k % 256 == 0 and n * k >= STREAM_MIN_WEIGHT
 
 
+def stream_units(n: int, k: int) -> int:
+    """Units of a streamed launch: 64 weight rows x one 512-element fold chunk each."""
+    return triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
+
+
 def stream_grid(n: int, k: int, sms: int, how: Plan) -> int:
-    """CTAs of a streamed launch: one per SM at most, and about ``how.warpgroups`` units each
-    (a unit: 64 weight rows x one 512-element fold chunk)."""
-    units = triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
-    return min(sms, triton.cdiv(units, how.warpgroups))
+    """CTAs of a streamed launch: one per SM at most, and about ``how.warpgroups`` units each."""
+    return min(sms, triton.cdiv(stream_units(n, k), how.warpgroups))
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -401,8 +405,8 @@ def gemm(
     bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    fits = ws_fits(w)
-    how = how or plan(m, n, k, sms, splits, warpgroups, fits, stream_fits(a, w))
+    fits, streamed = ws_fits(w), stream_fits(a, w)
+    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed)
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
@@ -410,7 +414,7 @@ def gemm(
         )
     if how.family == "ws" and not fits:
         raise ValueError("the wide-M CUDA C++ GEMM needs K % 32 == 0 and 16-byte aligned codes")
-    if how.family == "stream" and not (m <= how.block_m and stream_fits(a, w)):
+    if how.family == "stream" and not (m <= how.block_m and streamed):
         raise ValueError(
             f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
             "K % 256 == 0 and 16-byte aligned codes and scales"
@@ -425,8 +429,8 @@ def gemm(
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = partials = counters = None
     if how.family == "stream":
-        units = n_tiles * triton.cdiv(k, FOLD)
-        partials = torch.empty(units * 128 * how.block_m // 2, dtype=torch.float32, device=device)
+        size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
+        partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
     elif how.family != "small":  # the activation decoded once into its shared-memory image
         size = m_tiles * a_chunks * how.block_m * 256
@@ -457,7 +461,7 @@ def gemm(
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
         grid = (m_tiles, n_tiles, 1)
-    kernel = kernels[how.kernel_name(how.family == "stream" or k % CHUNK == 0)]
+    kernel = kernels[how.kernel_name(k % CHUNK == 0)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

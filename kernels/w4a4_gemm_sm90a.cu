@@ -48,6 +48,17 @@ __device__ __forceinline__ void decode_pair(u32 w0, u32 w1, u32 scale_byte, u32 
   }
 }
 
+// The eight BF16x2 of decode_pair (activation row r, code-word pair tp of a 128-element chunk)
+// into the chunk's wgmma B block at `chunk`: stream q's step block at q * BM * 32 bytes, core
+// matrix (r / 8, tp / 4) at (r / 8) * sbo + (tp / 4) * lbo, row r % 8, k-positions 2tp, 2tp + 1.
+template <int BM>
+__device__ __forceinline__ void store_b_pair(unsigned char* chunk, int r, int tp, u32 lbo, u32 sbo,
+                                             const u32 (&o)[8]) {
+  unsigned char* dst = chunk + (r / 8) * sbo + (tp / 4) * lbo + (r % 8) * 16 + (tp % 4) * 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+}
+
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
@@ -357,11 +368,7 @@ __device__ __forceinline__ void gemm_small_m(const Params& p) {
       }
       u32 o[8];
       decode_pair(w0, w1, sb, o);
-      // stream q, k-positions 2tp and 2tp+1: core matrix (r / 8, tp / 4), row r % 8
-      unsigned char* dst = smem + c * 8 * (BM * 32) + (r / 8) * p.sbo + (tp / 4) * p.lbo +
-                           (r % 8) * 16 + (tp % 4) * 4;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+      store_b_pair<BM>(smem + c * 8 * (BM * 32), r, tp, p.lbo, p.sbo, o);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
@@ -494,11 +501,9 @@ __device__ __forceinline__ void decode_act_image(const Params& p) {
   u32 o[8];
   decode_pair(w0, w1, sb, o);
   const int r = row % BM;
-  unsigned char* dst = (unsigned char*)p.a_image +
-                       ((long long)(row / BM) * p.a_chunks + ch) * (BM * 256) +
-                       (r / 8) * p.sbo + (tp / 4) * p.lbo + (r % 8) * 16 + (tp % 4) * 4;
-#pragma unroll
-  for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+  unsigned char* chunk = (unsigned char*)p.a_image +
+                         ((long long)(row / BM) * p.a_chunks + ch) * (BM * 256);
+  store_b_pair<BM>(chunk, r, tp, p.lbo, p.sbo, o);
 }
 
 extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m32(const Params p) {
@@ -1068,10 +1073,7 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
       if (r < p.M && c < n_ch) {
         u32 o[8];
         decode_pair(cur.w[j].x, cur.w[j].y, cur.s[j], o);
-        unsigned char* dst = bdst + c * 8 * (BM * 32) + (r / 8) * SBO_BYTES +
-                             (tp / 4) * LBO_BYTES + (r % 8) * 16 + (tp % 4) * 4;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) *(u32*)(dst + q * (BM * 32)) = o[q];
+        store_b_pair<BM>(bdst + c * 8 * (BM * 32), r, tp, LBO_BYTES, SBO_BYTES, o);
       }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for the consumers' wgmma
