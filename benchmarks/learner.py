@@ -679,7 +679,7 @@ def check_grouped_numerics(
         quantize_weight,
         w4a4_linear_train,
     )
-    from minite_common.hadamard import rht_matrix
+    from minite_common.hadamard import RHT_SIGNS
 
     g = torch.Generator(device="cpu").manual_seed(3)
     ffn, k = shape.expert_ffn, shape.hidden
@@ -707,7 +707,7 @@ def check_grouped_numerics(
     )
     scale = stacked.channel_decode_scale()
     row, col, dec = quantize_grouped_grad_operands(
-        dy, tuple(sizes), row=True, row_scale=scale, col=True, rht=rht_matrix(dy.device)
+        dy, tuple(sizes), row=True, row_scale=scale, col=True, rht_signs=RHT_SIGNS
     )
     _, starts, pstarts = group_layout(tuple(sizes), device)
     equal = True
@@ -718,7 +718,7 @@ def check_grouped_numerics(
                 row=True,
                 row_scale=scale[e * n : (e + 1) * n],
                 col=True,
-                rht=rht_matrix(dy.device),
+                rht_signs=RHT_SIGNS,
             )
             p = -(-size // 16) * 16
             equal &= same(r, row[starts[e] : starts[e] + size])

@@ -29,7 +29,7 @@ def measure(device: torch.device) -> list[dict[str, float | str]]:
     from minite_kernels.nvfp4_grad import quantize_grad_operands
     from triton.testing import do_bench
 
-    from minite_common.hadamard import rht_matrix
+    from minite_common.hadamard import RHT_SIGNS
 
     def bench(fn: Callable[[], object]) -> float:
         return do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -64,18 +64,18 @@ def measure(device: torch.device) -> list[dict[str, float | str]]:
     ), 2 * w.numel() * 2 + w.numel() * (0.5 + 1 / 16))  # fmt: skip
     g = torch.randn(tokens, 4096, device=device, dtype=torch.bfloat16)
     scale = torch.rand(4096, device=device) + 0.5
-    h = rht_matrix(device)
+    h = RHT_SIGNS
     seed = torch.tensor([1], dtype=torch.int64, device=device)  # as the learner passes it
     n = g.numel()
     add("grad [32768, 4096] row (scales, SR) + col (RHT, SR), 2 passes", bench(
         lambda: quantize_grad_operands(g, row=True, row_scale=scale, row_stochastic=True,
-                                       col=True, rht=h, col_stochastic=True, seed=seed)
+                                       col=True, rht_signs=h, col_stochastic=True, seed=seed)
     ), 2 * n * 2 + 2 * n * 2)  # fmt: skip
     add("grad [32768, 4096] row only (scales, SR), 2 passes", bench(
         lambda: quantize_grad_operands(g, row=True, row_scale=scale, row_stochastic=True, seed=seed)
     ), 2 * n * 2 + n * 2)  # fmt: skip
     add("activation [32768, 4096] col (RHT, nearest), 2 passes", bench(
-        lambda: quantize_grad_operands(g, row=False, col=True, rht=h)
+        lambda: quantize_grad_operands(g, row=False, col=True, rht_signs=h)
     ), 2 * n * 2 + n * 2)  # fmt: skip
     for r in rows:
         r["copy_tb_s"] = copy_tb_s

@@ -11,8 +11,9 @@ One input ``x`` [R, C] (R tokens, C features; any strides) gives, in the same pa
 - ``row``: blocks of 16 along C (dgrad's output-gradient operand), values ``x * col_scale[c]``
   (the weight's per-channel decode scales folded in); output [R, C];
 - ``col``: blocks of 16 along R (wgrad's operands), optionally after the random Hadamard
-  transform over 16-token blocks (rounded to BF16, as ``random_hadamard_transform``), tokens
-  zero-padded to a multiple of 16; output [ceil(R/16)*16, C].
+  transform ``diag(signs) @ H16 / 4`` over 16-token blocks (rounded to BF16, as
+  ``random_hadamard_transform``), tokens zero-padded to a multiple of 16; output
+  [ceil(R/16)*16, C].
 
 Each output has one per-tensor amax (first pass: atomic max of the tiles' amax, non-finite flag
 alongside), then the recipe-v1 block scales of :func:`minite_common.quantize_nvfp4` (same
@@ -22,8 +23,15 @@ random numbers from an integer hash of the element index and a seed). The decode
 when the operand holds NaN/Inf, as the torch path gives) is written to a two-element vector.
 
 Compared with the torch path, the codes and scales are the same function of the operand; only
-the RHT's float32 sum order before its BF16 rounding may differ (rarely one BF16 ulp), and the
-stochastic rounding draws other random numbers of the same distribution.
+the RHT's sums differ where float32 rounds them (the same butterfly order as the torch path's
+float64 sums: rarely one BF16 ulp), and the stochastic rounding draws other random numbers of
+the same distribution.
+
+Layout: a program takes BLOCK_R rows (4 stripes of 16) and BLOCK_C columns. The col operand
+loads a stripe as 16 row vectors, each thread holding whole columns, so the RHT butterfly, the
+16-token block amax and the block scale are per-thread arithmetic; the row operand loads the
+same stripe again (from cache) as the two 8-column halves of each 16-column block, so each
+thread holds whole blocks. No block scale is computed twice and no value crosses threads.
 
 Also here: :func:`decoded_weight` (dgrad's BF16 weight operand, cached per weight version) and
 :func:`scale_rows` (the backward GEMMs' epilogue: float32 accumulator times decode scales, one
@@ -53,11 +61,15 @@ from .nvfp4_decode import CHUNK, STREAMS, decode_operand
 from .nvfp4_quantize import e2m1_magic
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: Tile of the input per program: BLOCK_R tokens x BLOCK_C features (both multiples of 16).
+#: Rows per program (the grouped tile table's tile height) and columns per program.
 BLOCK_R = 64
-BLOCK_C = 64
-#: Row tiles per program of the amax pass (one cross-thread reduction for all of them).
+BLOCK_C = 256
+#: Rows of one column-operand block (and of one RHT).
+STRIPE = tl.constexpr(16)
+#: Row tiles per program of the dense amax pass (one reduction and one atomic for all of them).
 AMAX_TILES = 4
+#: Warps per program of both passes.
+NUM_WARPS = 4
 
 
 SIGN = tl.constexpr(-(2**31))
@@ -89,59 +101,6 @@ def _seeds(seed_ptr, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C):
-    """The input tile [BLOCK_R, BLOCK_C] as stored (zeros outside the tensor)."""
-    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
-    ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :].to(tl.int64) * stride_c
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE: tl.constexpr):
-    """float32 ``x * col_scale[c]`` [BLOCK_R, BLOCK_C] (blocks of 16 along the last axis)."""
-    v = x.to(tl.float32)
-    if ROW_SCALE:
-        scale = tl.load(col_scale_ptr + offs_c * scale_stride, mask=offs_c < C, other=1.0)
-        v = v * scale[None, :]
-    return v
-
-
-@triton.jit
-def _col_values(x, h_ptr, RHT: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_R: tl.constexpr):
-    """float32 tile [BLOCK_R, BLOCK_C] in place (blocks of 16 tokens along the first axis), after
-    the RHT rounded to BF16 if RHT: ``y[16b + j, c] = sum_i h[i, j] * x[16b + i, c]``, one dot of
-    the block-diagonal ``diag(h^T, ...)`` [BLOCK_R, BLOCK_R] with the tile. Each output's 16
-    nonzero products sit in one MMA step of 16 (the other steps add exact zeros), so the sum is
-    the 16-wide dot of the transposed layout. DOT_BF16: the input is BF16, whose products with
-    the +-1/4 entries are exact, so a BF16 MMA with float32 accumulation computes the transform."""
-    if RHT:
-        i = tl.arange(0, BLOCK_R)[:, None]
-        j = tl.arange(0, BLOCK_R)[None, :]
-        hbd = tl.load(h_ptr + (j % 16) * 16 + i % 16, mask=i // 16 == j // 16, other=0.0)
-        if DOT_BF16:
-            y = tl.dot(hbd.to(tl.bfloat16), x.to(tl.bfloat16))
-        else:
-            y = tl.dot(hbd, x.to(tl.float32), input_precision="ieee")
-        return round_to_bf16(y)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _finite_amax(v):
-    """(max |v| over the finite elements, 1.0 if any element is NaN/Inf else 0.0). The integer
-    max of the magnitudes' bits (Inf and NaN above every finite value) decides; only a tile
-    that holds a non-finite element takes the masked reduction."""
-    top = tl.max(tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
-    amax = top.to(tl.float32, bitcast=True)
-    bad = 0.0
-    if top >= 0x7F800000:
-        finite = tl.abs(v) < INF
-        amax = tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), axis=1), axis=0)
-        bad = 1.0
-    return amax, bad
-
-
-@triton.jit
 def e2m1_round_nearest(a):
     """float32 ``a`` in [0, 6] rounded to the E2M1 grid (steps 1/2 below 2, 1 below 4, 2 up to
     6), ties to the even code: ``a + step * 2^23`` rounds to a multiple of ``step``."""
@@ -163,62 +122,40 @@ def e2m1_round_stochastic(a, u):
 
 
 @triton.jit
-def _qdq_tile(
-    v,
-    s_enc,
-    s_dec,
-    offsets,
-    seed,
-    nonfinite,
-    STOCHASTIC: tl.constexpr,
-    P: tl.constexpr,
-    Q: tl.constexpr,
-    AXIS: tl.constexpr,
-):
-    """BF16 ``code * f32(scale)`` of a float32 tile [P, Q] quantized in blocks of 16 along axis
-    ``AXIS`` (1: 16 consecutive elements of a row, the row operand; 0: 16 consecutive rows of a
-    column, the col operand), recipe v1 (non-finite elements as 0, masked only when the
-    operand's flag ``nonfinite`` from pass 1 is set); ``offsets`` [P, Q] index the random draws."""
-    if nonfinite != 0:
-        v = tl.where(tl.abs(v) < INF, v, 0.0)
-    if AXIS == 1:
-        v3 = tl.reshape(v, [P, Q // 16, 16])
-        offsets = tl.reshape(offsets, [P, Q // 16, 16])
-    else:
-        v3 = tl.reshape(v, [P // 16, 16, Q])
-        offsets = tl.reshape(offsets, [P // 16, 16, Q])
-    bamax = tl.max(tl.abs(v3), axis=AXIS + 1)  # [blocks...]: the 16 elements' axis removed
+def _block_scales(bamax, s_enc, s_dec):
+    """``(scale, encode)`` of blocks with amax ``bamax`` (recipe v1, the float32 formula and
+    order of :func:`minite_common.quantize_nvfp4`): the E4M3 block scale as float32 and the
+    encode factor ``min(1 / (scale * S_dec), FLT_MAX)``, NaN propagated."""
     scale_f32 = tl.minimum(bamax * (s_enc * SIXTH_F32), 448.0, propagate_nan=tl.PropagateNan.ALL)
     scale = e4m3_to_f32(f32_to_e4m3_rne(scale_f32))
-    block_dec = scale * s_dec
     encode = tl.minimum(
-        tl.math.div_rn(tl.full(block_dec.shape, 1.0, tl.float32), block_dec),
+        tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * s_dec),
         FLT_MAX,
         propagate_nan=tl.PropagateNan.ALL,
     )
-    # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
-    scaled = v3 * tl.expand_dims(encode, AXIS + 1)
-    a = tl.minimum(tl.abs(scaled), 6.0)
-    if STOCHASTIC:
-        magnitude = e2m1_round_stochastic(a, _uniform(seed, offsets))
-    else:
-        magnitude = e2m1_round_nearest(a)
-    signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
-    q = signed.to(tl.float32, bitcast=True) * tl.expand_dims(scale, AXIS + 1)
-    return tl.reshape(q, [P, Q]).to(tl.bfloat16)
+    return scale, encode
 
 
 @triton.jit
-def _tile_values(
-    x, col_scale_ptr, scale_stride, h_ptr, offs_c, C,
-    COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr, DOT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """The row (``COL_OUT`` False) or col operand's float32 values of the tile ``x``."""
-    if COL_OUT:
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
+def _qdq(v, scale, encode, seed, index, STOCHASTIC: tl.constexpr):
+    """BF16 ``code * scale`` of float32 ``v`` (finite) in its block of ``scale`` / ``encode``
+    (broadcast to ``v``), nearest-even or stochastic with the draw of ``index`` under ``seed``."""
+    # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
+    scaled = v * encode
+    a = tl.minimum(tl.abs(scaled), 6.0)
+    if STOCHASTIC:
+        magnitude = e2m1_round_stochastic(a, _uniform(seed, index))
     else:
-        v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
+        magnitude = e2m1_round_nearest(a)
+    signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
+    return (signed.to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _finite(v, NONFINITE):
+    """``v`` with NaN/Inf as 0 where the operand's non-finite flag ``NONFINITE`` is set."""
+    if NONFINITE != 0:
+        v = tl.where(tl.abs(v) < INF, v, 0.0)
     return v
 
 
@@ -229,32 +166,222 @@ def _magnitude_bits(v):
 
 
 @triton.jit
-def _publish_amax(
-    top_bits, stats, x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r,
-    offs_c, COL_OUT: tl.constexpr, ROW_SCALE: tl.constexpr, RHT: tl.constexpr,
-    DOT_BF16: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """Atomic max into ``stats[0]`` of the row (``COL_OUT`` False) or col operand's amax over the
-    program's TILES row tiles, and into ``stats[1]`` of its non-finite flag, from ``top_bits``
-    (the elementwise max of the magnitudes' bits over the tiles). Only where those hold NaN/Inf
-    are the tiles read again for the max over the finite elements (the slow path)."""
-    top = tl.max(tl.max(top_bits, axis=1), axis=0)
-    amax = top.to(tl.float32, bitcast=True)
-    bad = 0.0
-    if top >= 0x7F800000:
-        amax = 0.0
-        for i in range(TILES):
-            offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-            x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-            v = _tile_values(
-                x, col_scale_ptr, scale_stride, h_ptr, offs_c, C, COL_OUT, ROW_SCALE, RHT,
-                DOT_BF16, BLOCK_R,
-            )  # fmt: skip
-            finite = tl.abs(v) < INF
-            amax = tl.maximum(amax, tl.max(tl.max(tl.where(finite, tl.abs(v), 0.0), 1), 0))
-        bad = 1.0
-    tl.atomic_max(stats + 0, amax)
-    tl.atomic_max(stats + 1, bad)
+def _row_cols(c0, BLOCK_C: tl.constexpr):
+    """Columns [1, BLOCK_C/16, 8] of the first halves of the 16-column blocks from ``c0``."""
+    return c0 + tl.arange(0, BLOCK_C // 16)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+
+
+@triton.jit
+def _row_col_scales(col_scale_ptr, scale_stride, C, c0, ROW_SCALE: tl.constexpr,
+                    BLOCK_C: tl.constexpr):  # fmt: skip
+    """``col_scale`` of the two halves' columns (see :func:`_row_halves`); 1 if not ROW_SCALE."""
+    cols = _row_cols(c0, BLOCK_C)
+    if ROW_SCALE:
+        lo = tl.load(col_scale_ptr + cols * scale_stride, mask=cols < C, other=1.0)
+        hi = tl.load(col_scale_ptr + (cols + 8) * scale_stride, mask=cols < C, other=1.0)
+    else:
+        lo = tl.full(cols.shape, 1.0, tl.float32)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _row_halves(x_ptr, stride_r, stride_c, r, r_end, C, c0, scale_lo, scale_hi,
+                ROW_SCALE: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """The row operand's float32 values ``x * col_scale[c]`` of rows ``r .. r+15`` and columns
+    ``c0 ..`` as two [16, BLOCK_C/16, 8] tensors, the first and second half of each 16-column
+    block (each thread holds whole blocks: the block amax needs no exchange), zeros outside the
+    tensor; with the first half's rows [16, 1, 1], columns [1, BLOCK_C/16, 8] and mask.
+    ``scale_lo`` / ``scale_hi``: :func:`_row_col_scales`."""
+    rows = r + tl.arange(0, STRIPE)[:, None, None]
+    cols = _row_cols(c0, BLOCK_C)
+    ok = (rows < r_end) & (cols < C)
+    ptrs = x_ptr + rows.to(tl.int64) * stride_r + cols.to(tl.int64) * stride_c
+    lo = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(ptrs + 8 * stride_c, mask=ok, other=0.0).to(tl.float32)
+    if ROW_SCALE:
+        lo = lo * scale_lo
+        hi = hi * scale_hi
+    return lo, hi, rows, cols, ok
+
+
+@triton.jit
+def _to_bf16(v, HW_CVT: tl.constexpr):
+    """float32 -> nearest BF16 (ties to even), kept in float32: the hardware conversion, or in
+    the interpreter (whose casts truncate) :func:`round_to_bf16`'s integer arithmetic."""
+    if HW_CVT:
+        return v.to(tl.bfloat16).to(tl.float32)
+    return round_to_bf16(v)
+
+
+@triton.jit
+def _col_stripe(x_ptr, stride_r, stride_c, r, r_end, offs_c, C, RHT: tl.constexpr,
+                SIGNS: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+    """The col operand's float32 values of the 16-row block at rows ``r .. r+15`` (zeros past
+    ``r_end`` or C) as a tuple of 16 [BLOCK_C] rows, each thread holding whole columns. RHT:
+    ``y = (x * signs) @ H16 / 4`` rounded to BF16 (``SIGNS`` bit i set: sign -1 for row i),
+    the fast Walsh-Hadamard butterfly ``[a, b] -> [a + b, a - b]`` over pairs at distance 1,
+    2, 4, 8 in float32 (the CPU path's order, which sums in float64)."""
+    cptr = x_ptr + offs_c.to(tl.int64) * stride_c
+    cmask = offs_c < C
+    zero = offs_c * 0  # the row bound as a vector compare (the interpreter's scalar one is not)
+    v = ()
+    for i in tl.static_range(STRIPE):
+        ok = cmask & (zero + (r + i) < r_end)
+        row = tl.load(cptr + tl.cast(r + i, tl.int64) * stride_r, mask=ok, other=0.0)
+        row = row.to(tl.float32)
+        if RHT and (SIGNS >> i) & 1:
+            row = -row
+        v = v + (row,)
+    if RHT:
+        for h in tl.static_range(4):
+            nxt = ()
+            for i in tl.static_range(STRIPE):
+                if (i >> h) & 1:
+                    nxt = nxt + (v[i - (1 << h)] - v[i],)
+                else:
+                    nxt = nxt + (v[i] + v[i + (1 << h)],)
+            v = nxt
+        out = ()
+        for i in tl.static_range(STRIPE):
+            out = out + (_to_bf16(v[i] * 0.25, HW_CVT),)
+        v = out
+    return v
+
+
+@triton.jit
+def _stripe_max_bits(v, FINITE: tl.constexpr):
+    """Elementwise max over the 16 rows of the magnitudes' bits of ``v`` (a tuple of 16
+    [BLOCK_C]); FINITE: NaN/Inf count as 0."""
+    top = tl.zeros(v[0].shape, tl.int32)
+    for i in tl.static_range(STRIPE):
+        bits = _magnitude_bits(v[i])
+        if FINITE:
+            bits = tl.where(bits < 0x7F800000, bits, 0)
+        top = tl.maximum(top, bits)
+    return top
+
+
+@triton.jit
+def _half_max_bits(lo, hi, FINITE: tl.constexpr):
+    """Per 16-column block [16, BLOCK_C/16] the max of the magnitudes' bits of its two halves;
+    FINITE: NaN/Inf count as 0."""
+    lo = _magnitude_bits(lo)
+    hi = _magnitude_bits(hi)
+    if FINITE:
+        lo = tl.where(lo < 0x7F800000, lo, 0)
+        hi = tl.where(hi < 0x7F800000, hi, 0)
+    return tl.maximum(tl.max(lo, axis=2), tl.max(hi, axis=2))
+
+
+@triton.jit
+def _amax_rows(x_ptr, stride_r, stride_c, r0, r_end, C, c0, col_scale_ptr, scale_stride,
+               ROW: tl.constexpr, ROW_SCALE: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
+               SIGNS: tl.constexpr, HW_CVT: tl.constexpr, FINITE: tl.constexpr,
+               BLOCK_C: tl.constexpr):  # fmt: skip
+    """``(row, col)`` magnitude bits: the max over rows ``r0 .. r_end`` (whole 16-row stripes)
+    and columns ``c0 .. c0 + BLOCK_C`` of the row and col operands' values (scalars; 0 for an
+    operand not asked for). FINITE: over the finite values only."""
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    scale_lo, scale_hi = _row_col_scales(col_scale_ptr, scale_stride, C, c0, ROW and ROW_SCALE,
+                                         BLOCK_C)  # fmt: skip
+    top_row = tl.zeros([STRIPE, BLOCK_C // 16], tl.int32)
+    top_col = tl.zeros([BLOCK_C], tl.int32)
+    for r in range(r0, r_end, STRIPE):
+        if ROW:
+            lo, hi, _, _, _ = _row_halves(x_ptr, stride_r, stride_c, r, r_end, C, c0, scale_lo,
+                                          scale_hi, ROW_SCALE, BLOCK_C)  # fmt: skip
+            top_row = tl.maximum(top_row, _half_max_bits(lo, hi, FINITE))
+        if COL:
+            v = _col_stripe(x_ptr, stride_r, stride_c, r, r_end, offs_c, C, RHT, SIGNS, HW_CVT)
+            top_col = tl.maximum(top_col, _stripe_max_bits(v, FINITE))
+    return tl.max(tl.max(top_row, axis=1), axis=0), tl.max(top_col, axis=0)
+
+
+@triton.jit
+def _publish_amax(stats, top, finite_top):
+    """Atomic max into ``stats[0]`` of the amax over the finite values and into ``stats[1]`` of
+    the non-finite flag (1.0 when ``top``, the bits over all values, is NaN/Inf)."""
+    tl.atomic_max(stats + 0, finite_top.to(tl.float32, bitcast=True))
+    tl.atomic_max(stats + 1, tl.where(top >= 0x7F800000, 1.0, 0.0))
+
+
+@triton.jit
+def _amax_program(x_ptr, stride_r, stride_c, r0, r_end, C, c0, col_scale_ptr, scale_stride,
+                  stats, ROW: tl.constexpr, ROW_SCALE: tl.constexpr, COL: tl.constexpr,
+                  RHT: tl.constexpr, SIGNS: tl.constexpr, HW_CVT: tl.constexpr,
+                  BLOCK_C: tl.constexpr):  # fmt: skip
+    """Pass 1 for rows ``r0 .. r_end`` (whole stripes) and BLOCK_C columns: atomic max of the
+    row / col operand's amax and non-finite flag into ``stats[0:2]`` / ``stats[2:4]``. Only a
+    program that finds NaN/Inf reads its rows again for the max over the finite values."""
+    args = (x_ptr, stride_r, stride_c, r0, r_end, C, c0, col_scale_ptr, scale_stride)
+    top_row, top_col = _amax_rows(*args, ROW, ROW_SCALE, COL, RHT, SIGNS, HW_CVT, False, BLOCK_C)
+    fin_row, fin_col = top_row, top_col
+    if (top_row >= 0x7F800000) | (top_col >= 0x7F800000):
+        fin_row, fin_col = _amax_rows(*args, ROW, ROW_SCALE, COL, RHT, SIGNS, HW_CVT, True,
+                                      BLOCK_C)  # fmt: skip
+    if ROW:
+        _publish_amax(stats, top_row, fin_row)
+    if COL:
+        _publish_amax(stats + 2, top_col, fin_col)
+
+
+@triton.jit
+def _decode_scale(stats, decode, first):
+    """``(S_enc, S_dec, non-finite flag)`` of the operand with ``stats`` (amax, flag); the first
+    program writes ``S_dec`` (NaN when the operand holds NaN/Inf) to ``decode``."""
+    s_enc, s_dec = global_scales(tl.load(stats + 0))
+    bad = tl.load(stats + 1)
+    if first:
+        tl.store(decode, tl.where(bad != 0, nan_like(s_dec), s_dec))
+    return s_enc, s_dec, bad
+
+
+@triton.jit
+def _qdq_program(x_ptr, stride_r, stride_c, r0, r_end, p0, C, c0, first, col_scale_ptr,
+                 scale_stride, stats, decode, row_out, col_out, seed_ptr,
+                 ROW: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_SR: tl.constexpr,
+                 COL: tl.constexpr, RHT: tl.constexpr, SIGNS: tl.constexpr, COL_SR: tl.constexpr,
+                 HW_CVT: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """Pass 2 for rows ``r0 .. r_end`` (whole stripes) and BLOCK_C columns: BF16 ``code *
+    scale`` into ``row_out`` [R, C] (row ``r``) and ``col_out`` (row ``p0 + r - r0``; both
+    row-major); ``first``: write the decode scales to ``decode[0:2]``."""
+    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    scale_lo, scale_hi = _row_col_scales(col_scale_ptr, scale_stride, C, c0, ROW and ROW_SCALE,
+                                         BLOCK_C)  # fmt: skip
+    if ROW:
+        s_enc_r, s_dec_r, bad_r = _decode_scale(stats, decode, first)
+    if COL:
+        s_enc_c, s_dec_c, bad_c = _decode_scale(stats + 2, decode + 1, first)
+    for r in range(r0, r_end, STRIPE):
+        if ROW:
+            lo, hi, rows, cols, ok = _row_halves(
+                x_ptr, stride_r, stride_c, r, r_end, C, c0, scale_lo, scale_hi, ROW_SCALE, BLOCK_C
+            )
+            lo = _finite(lo, bad_r)
+            hi = _finite(hi, bad_r)
+            bamax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+            scale, encode = _block_scales(bamax, s_enc_r, s_dec_r)
+            scale = scale[:, :, None]
+            encode = encode[:, :, None]
+            index = rows * C + cols  # int32: random streams repeat past 2^31
+            out = row_out + rows.to(tl.int64) * C + cols
+            tl.store(out, _qdq(lo, scale, encode, seed_row, index, ROW_SR), mask=ok)
+            tl.store(out + 8, _qdq(hi, scale, encode, seed_row, index + 8, ROW_SR), mask=ok)
+        if COL:
+            v = _col_stripe(x_ptr, stride_r, stride_c, r, r_end, offs_c, C, RHT, SIGNS, HW_CVT)
+            bamax = tl.zeros([BLOCK_C], tl.float32)
+            w = ()
+            for i in tl.static_range(STRIPE):
+                vi = _finite(v[i], bad_c)
+                bamax = tl.maximum(bamax, tl.abs(vi))
+                w = w + (vi,)
+            scale, encode = _block_scales(bamax, s_enc_c, s_dec_c)
+            out = col_out + tl.cast(p0 + r - r0, tl.int64) * C + offs_c
+            for i in tl.static_range(STRIPE):
+                q = _qdq(w[i], scale, encode, seed_col, (r + i) * C + offs_c, COL_SR)
+                tl.store(out + i * C, q, mask=offs_c < C)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -266,53 +393,35 @@ def _grad_amax_kernel(
     C,
     col_scale_ptr,
     scale_stride,
-    h_ptr,
     stats_ptr,
     ROW: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     COL: tl.constexpr,
     RHT: tl.constexpr,
-    DOT_BF16: tl.constexpr,
-    TILES: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    SIGNS: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Pass 1: atomic max of each output's amax and non-finite flag into ``stats``
-    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero. A program reads TILES tiles of
-    BLOCK_R rows once for both operands: an elementwise max of the magnitudes' bits in
-    registers, one reduction and one atomic per operand at the end; only when it finds a
-    non-finite element are the tiles read again with a masked maximum."""
-    pid_r = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    top_row = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
-    top_col = tl.zeros([BLOCK_R, BLOCK_C], tl.int32)
-    for i in range(TILES):
-        offs_r = (pid_r * TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-        if ROW:
-            v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
-            top_row = tl.maximum(top_row, _magnitude_bits(v))
-        if COL:
-            v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
-            top_col = tl.maximum(top_col, _magnitude_bits(v))
-    args = (x_ptr, stride_r, stride_c, R, C, col_scale_ptr, scale_stride, h_ptr, pid_r, offs_c)
-    if ROW:
-        _publish_amax(top_row, stats_ptr, *args, False, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
-    if COL:
-        _publish_amax(top_col, stats_ptr + 2, *args, True, ROW_SCALE, RHT, DOT_BF16, TILES, BLOCK_R)
+    (row: [0], [1]; col: [2], [3]); ``stats`` starts at zero. A program reads ROWS rows and
+    BLOCK_C columns once for both operands (elementwise maxima in registers, one reduction and
+    one atomic per operand)."""
+    r0 = tl.program_id(0) * ROWS
+    _amax_program(x_ptr, stride_r, stride_c, r0, tl.minimum(r0 + ROWS, R), C,
+                  tl.program_id(1) * BLOCK_C, col_scale_ptr, scale_stride, stats_ptr, ROW,
+                  ROW_SCALE, COL, RHT, SIGNS, HW_CVT, BLOCK_C)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["R", "R_PAD"])
+@triton.jit(do_not_specialize=["R"])
 def _grad_qdq_kernel(
     x_ptr,
     stride_r,
     stride_c,
     R,
     C,
-    R_PAD,
     col_scale_ptr,
     scale_stride,
-    h_ptr,
     stats_ptr,
     decode_ptr,
     row_out,
@@ -323,41 +432,29 @@ def _grad_qdq_kernel(
     ROW_SR: tl.constexpr,
     COL: tl.constexpr,
     RHT: tl.constexpr,
+    SIGNS: tl.constexpr,
     COL_SR: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    HW_CVT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Pass 2: BF16 ``code * scale`` of the tile into ``row_out`` [R, C] and/or ``col_out``
-    [R_PAD, C] (both row-major); program (0, 0) writes the decode scales to ``decode``."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    first = (pid_r == 0) & (pid_c == 0)
-    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, R, C)
-    index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
-    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
-    if ROW:
-        s_enc, s_dec = global_scales(tl.load(stats_ptr + 0))
-        bad = tl.load(stats_ptr + 1)
-        if first:
-            tl.store(decode_ptr + 0, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _row_values(x, col_scale_ptr, scale_stride, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C, 1)
-        ok = (offs_r < R)[:, None] & (offs_c < C)[None, :]
-        out = row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
-        tl.store(out, q, mask=ok)
-    if COL:
-        s_enc, s_dec = global_scales(tl.load(stats_ptr + 2))
-        bad = tl.load(stats_ptr + 3)
-        if first:
-            tl.store(decode_ptr + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_col, bad, COL_SR, BLOCK_R, BLOCK_C, 0)
-        ok = (offs_r < R_PAD)[:, None] & (offs_c < C)[None, :]
-        out = col_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
-        tl.store(out, q, mask=ok)
+    """Pass 2: BF16 ``code * scale`` of BLOCK_R rows and BLOCK_C columns into ``row_out``
+    [R, C] and/or ``col_out`` [ceil(R/16)*16, C]; program (0, 0) writes the decode scales."""
+    r0 = tl.program_id(0) * BLOCK_R
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    _qdq_program(x_ptr, stride_r, stride_c, r0, tl.minimum(r0 + BLOCK_R, R), r0, C,
+                 tl.program_id(1) * BLOCK_C, first, col_scale_ptr, scale_stride, stats_ptr,
+                 decode_ptr, row_out, col_out, seed_ptr, ROW, ROW_SCALE, ROW_SR, COL, RHT,
+                 SIGNS, COL_SR, HW_CVT, BLOCK_C)  # fmt: skip
+
+
+def rht_sign_mask(signs) -> int:
+    """The kernels' constexpr for the RHT ``diag(signs) @ H16 / 4``: bit i set where
+    ``signs[i]`` is -1 (16 values of +-1; ``minite_common.hadamard.RHT_SIGNS``)."""
+    signs = [int(s) for s in signs]
+    if len(signs) != STRIPE.value or any(s not in (1, -1) for s in signs):
+        raise ValueError(f"rht_signs: need {STRIPE.value} values of +1/-1, got {signs}")
+    return sum(1 << i for i, s in enumerate(signs) if s < 0)
 
 
 def seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -380,7 +477,7 @@ def quantize_grad_operands(
     row_scale: torch.Tensor | None = None,
     row_stochastic: bool = False,
     col: bool = False,
-    rht: torch.Tensor | None = None,
+    rht_signs: tuple[int, ...] | None = None,
     col_stochastic: bool = False,
     seed: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -392,8 +489,8 @@ def quantize_grad_operands(
     ``seed`` feeds the stochastic rounding (row and col draw from two seeds derived from it):
     a Python int, or an int64 tensor of one element on ``x``'s device (read by the kernel, so
     a seed drawn on the device costs no host synchronization; see :func:`seed_tensor`).
-    ``rht``: the 16x16 random Hadamard matrix to apply to the col operand's 16-token blocks
-    (``minite_common.hadamard.rht_matrix``), or None for none.
+    ``rht_signs``: the 16 signs of the random Hadamard transform ``diag(signs) @ H16 / 4`` to
+    apply to the col operand's 16-token blocks (``minite_common.hadamard.RHT_SIGNS``), or None.
     """
     if x.dim() != 2 or x.shape[1] % 16:
         raise ValueError(f"quantize_grad_operands: need [R, C] with C % 16 == 0, got {x.shape}")
@@ -416,24 +513,33 @@ def quantize_grad_operands(
         raise ValueError(
             f"quantize_grad_operands: row_scale has {scale_arg.shape[0]} values, not {c}"
         )
-    h = rht.to(dev, torch.float32).contiguous() if col and rht is not None else stats
-    dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
-    grid = (triton.cdiv(r_pad, BLOCK_R), triton.cdiv(c, BLOCK_C))
-    flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
-    amax_grid = (triton.cdiv(r_pad, BLOCK_R * AMAX_TILES), grid[1])
-    _grad_amax_kernel[amax_grid](
-        x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, h, stats,
-        ROW_SCALE=has_scale, TILES=AMAX_TILES, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4,
-        **flags,
+    flags = kernel_flags(row, col, rht_signs)
+    amax_rows = BLOCK_R * AMAX_TILES
+    _grad_amax_kernel[(triton.cdiv(r, amax_rows), triton.cdiv(c, BLOCK_C))](
+        x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, stats,
+        ROW_SCALE=has_scale, ROWS=amax_rows, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS, **flags,
     )  # fmt: skip
-    _grad_qdq_kernel[grid](
-        x, x.stride(0), x.stride(1), r, c, r_pad, scale_arg, scale_stride, h, stats, decode,
+    _grad_qdq_kernel[(triton.cdiv(r, BLOCK_R), triton.cdiv(c, BLOCK_C))](
+        x, x.stride(0), x.stride(1), r, c, scale_arg, scale_stride, stats, decode,
         row_out if row else stats, col_out if col else stats,
         seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS, enable_fp_fusion=False, **flags,
     )  # fmt: skip
     return row_out, col_out, decode
+
+
+def kernel_flags(row: bool, col: bool, rht_signs) -> dict:
+    """The operand kernels' shared constexpr flags (operands, RHT and its sign mask, rounding
+    to BF16 by the hardware conversion except in the interpreter)."""
+    rht = col and rht_signs is not None
+    return dict(
+        ROW=row,
+        COL=col,
+        RHT=rht,
+        SIGNS=rht_sign_mask(rht_signs) if rht else 0,
+        HW_CVT=not _INTERPRETED,
+    )
 
 
 @triton.jit

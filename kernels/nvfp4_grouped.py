@@ -23,20 +23,26 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp import global_scales, nan_like
+from . import nvfp4_grad
 from .nvfp4_grad import (
-    _INTERPRETED,
     BLOCK_C,
     BLOCK_R,
-    _col_values,
-    _finite_amax,
-    _load_tile,
-    _qdq_tile,
-    _row_values,
-    _seeds,
+    _amax_program,
+    _qdq_program,
+    kernel_flags,
     seed_tensor,
 )
 from .nvfp4_quantize import _quantize_nvfp4_kernel
+
+
+@triton.jit
+def _tile(tiles_ptr, BLOCK_R: tl.constexpr):
+    """``(group, first row, end row, first padded row, first tile of its group)`` of this
+    program's row tile (at most BLOCK_R rows, all in one group)."""
+    tile = tiles_ptr + tl.program_id(0) * 5
+    r0 = tl.load(tile + 1)
+    r_end = tl.minimum(tl.load(tile + 2), r0 + BLOCK_R)
+    return tl.load(tile), r0, r_end, tl.load(tile + 3), tl.load(tile + 4) != 0
 
 
 @triton.jit
@@ -47,35 +53,22 @@ def _grouped_grad_amax_kernel(
     C,
     tiles_ptr,
     col_scale_ptr,
-    h_ptr,
     stats_ptr,
     ROW: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     COL: tl.constexpr,
     RHT: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    SIGNS: tl.constexpr,
+    HW_CVT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Pass 1: per group g, atomic max of each output's amax and non-finite flag into
     ``stats[4g:4g+4]`` (row: +0, +1; col: +2, +3); ``stats`` starts at zero."""
-    tile = tiles_ptr + tl.program_id(0) * 5
-    g = tl.load(tile)
-    r0 = tl.load(tile + 1)
-    r_end = tl.load(tile + 2)
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, r_end, C)
-    stats = stats_ptr + g * 4
-    if ROW:
-        v = _row_values(x, col_scale_ptr + g * C, 1, offs_c, C, ROW_SCALE)
-        amax, bad = _finite_amax(v)
-        tl.atomic_max(stats + 0, amax)
-        tl.atomic_max(stats + 1, bad)
-    if COL:
-        amax, bad = _finite_amax(_col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R))
-        tl.atomic_max(stats + 2, amax)
-        tl.atomic_max(stats + 3, bad)
+    g, r0, r_end, _, _ = _tile(tiles_ptr, BLOCK_R)
+    _amax_program(x_ptr, stride_r, stride_c, r0, r_end, C, tl.program_id(1) * BLOCK_C,
+                  col_scale_ptr + g * C, 1, stats_ptr + g * 4, ROW, ROW_SCALE, COL, RHT, SIGNS,
+                  HW_CVT, BLOCK_C)  # fmt: skip
 
 
 @triton.jit
@@ -86,7 +79,6 @@ def _grouped_grad_qdq_kernel(
     C,
     tiles_ptr,
     col_scale_ptr,
-    h_ptr,
     stats_ptr,
     decode_ptr,
     row_out,
@@ -97,47 +89,20 @@ def _grouped_grad_qdq_kernel(
     ROW_SR: tl.constexpr,
     COL: tl.constexpr,
     RHT: tl.constexpr,
+    SIGNS: tl.constexpr,
     COL_SR: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    HW_CVT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Pass 2: BF16 ``code * scale`` of the tile into ``row_out`` [R, C] and/or ``col_out``
     [R16, C] (row-major, each group's rows padded to 16); the first program of each group
     writes its decode scales to ``decode[2g:2g+2]``."""
-    tile = tiles_ptr + tl.program_id(0) * 5
-    g = tl.load(tile)
-    r0 = tl.load(tile + 1)
-    r_end = tl.load(tile + 2)
-    p0 = tl.load(tile + 3)
-    first = (tl.load(tile + 4) != 0) & (tl.program_id(1) == 0)
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    x = _load_tile(x_ptr, stride_r, stride_c, offs_r, offs_c, r_end, C)
-    index = offs_r[:, None] * C + offs_c[None, :]  # int32: random streams repeat past 2^31
-    seed_row, seed_col = _seeds(seed_ptr, ROW_SR | COL_SR)
-    stats = stats_ptr + g * 4
-    if ROW:
-        s_enc, s_dec = global_scales(tl.load(stats + 0))
-        bad = tl.load(stats + 1)
-        if first:
-            tl.store(decode_ptr + g * 2, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _row_values(x, col_scale_ptr + g * C, 1, offs_c, C, ROW_SCALE)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_row, bad, ROW_SR, BLOCK_R, BLOCK_C, 1)
-        ok = (offs_r < r_end)[:, None] & (offs_c < C)[None, :]
-        tl.store(row_out + offs_r[:, None].to(tl.int64) * C + offs_c[None, :], q, mask=ok)
-    if COL:
-        s_enc, s_dec = global_scales(tl.load(stats + 2))
-        bad = tl.load(stats + 3)
-        if first:
-            tl.store(decode_ptr + g * 2 + 1, tl.where(bad != 0, nan_like(s_dec), s_dec))
-        v = _col_values(x, h_ptr, RHT, DOT_BF16, BLOCK_R)
-        q = _qdq_tile(v, s_enc, s_dec, index, seed_col, bad, COL_SR, BLOCK_R, BLOCK_C, 0)
-        offs_p = p0 + tl.arange(0, BLOCK_R)
-        p_end = p0 + (r_end - r0 + 15) // 16 * 16
-        ok = (offs_p < p_end)[:, None] & (offs_c < C)[None, :]
-        out = col_out + offs_p[:, None].to(tl.int64) * C + offs_c[None, :]
-        tl.store(out, q, mask=ok)
+    g, r0, r_end, p0, first = _tile(tiles_ptr, BLOCK_R)
+    _qdq_program(x_ptr, stride_r, stride_c, r0, r_end, p0, C, tl.program_id(1) * BLOCK_C,
+                 first & (tl.program_id(1) == 0), col_scale_ptr + g * C, 1, stats_ptr + g * 4,
+                 decode_ptr + g * 2, row_out, col_out, seed_ptr, ROW, ROW_SCALE, ROW_SR, COL,
+                 RHT, SIGNS, COL_SR, HW_CVT, BLOCK_C)  # fmt: skip
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -196,7 +161,7 @@ def quantize_grouped_grad_operands(
     row_scale: torch.Tensor | None = None,
     row_stochastic: bool = False,
     col: bool = False,
-    rht: torch.Tensor | None = None,
+    rht_signs: tuple[int, ...] | None = None,
     col_stochastic: bool = False,
     seed: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -232,20 +197,20 @@ def quantize_grouped_grad_operands(
             f"{list(row_scale.shape)}"
         )
     scale_arg = row_scale.float().contiguous() if has_scale else stats
-    h = rht.to(dev, torch.float32).contiguous() if col and rht is not None else stats
-    dot_bf16 = x.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (tiles.shape[0], triton.cdiv(c, BLOCK_C))
-    flags = dict(ROW=row, COL=col, RHT=col and rht is not None, DOT_BF16=dot_bf16)
+    flags = kernel_flags(row, col, rht_signs)
     _grouped_grad_amax_kernel[grid](
-        x, x.stride(0), x.stride(1), c, tiles, scale_arg, h, stats,
-        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, **flags,
+        x, x.stride(0), x.stride(1), c, tiles, scale_arg, stats,
+        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=nvfp4_grad.NUM_WARPS,
+        **flags,
     )  # fmt: skip
     _grouped_grad_qdq_kernel[grid](
-        x, x.stride(0), x.stride(1), c, tiles, scale_arg, h, stats, decode,
+        x, x.stride(0), x.stride(1), c, tiles, scale_arg, stats, decode,
         row_out if row else stats, col_out if col else stats,
         seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4, enable_fp_fusion=False, **flags,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=nvfp4_grad.NUM_WARPS, enable_fp_fusion=False,
+        **flags,
     )  # fmt: skip
     return row_out, col_out, decode
 

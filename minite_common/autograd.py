@@ -27,7 +27,7 @@ import minite_kernels
 import torch
 from minite_kernels.dispatch import kernel_arch
 
-from .hadamard import random_hadamard_transform, rht_matrix
+from .hadamard import RHT_SIGNS, random_hadamard_transform
 from .linear import check_weight, nvfp4_gemm, w4a4_linear
 from .nvfp4 import NVFP4Tensor, quantize_nvfp4, unpack_codes
 from .recipe import DEFAULT_RECIPE, NVFP4Recipe
@@ -103,11 +103,11 @@ HOPPER_CUBLAS_BACKWARD = os.environ.get("MINITE_HOPPER_BACKWARD", "").strip().lo
 CACHE_DECODED_WEIGHT = os.environ.get("MINITE_CACHE_DECODED_WEIGHT", "1").strip() != "0"
 
 
-@functools.cache
-def wgrad_rht_matrix(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
-    """The RHT matrix the recipe applies to the wgrad operands on ``device``, or None (the
-    Hopper kernels take it as an argument: ``minite_kernels`` imports nothing from here)."""
-    return rht_matrix(device) if recipe.wgrad_rht else None
+def wgrad_rht_signs(recipe: NVFP4Recipe) -> tuple[int, ...] | None:
+    """The sign vector of the RHT ``diag(signs) @ H16 / 4`` that the recipe applies to the
+    wgrad operands, or None (the Hopper kernels take it as an argument: ``minite_kernels``
+    imports nothing from here)."""
+    return RHT_SIGNS if recipe.wgrad_rht else None
 
 
 @functools.cache
@@ -165,7 +165,7 @@ def hopper_grad_operands(
         row_scale=w_q.decode_scale,
         row_stochastic=stochastic,
         col=need_dw,
-        rht=wgrad_rht_matrix(recipe, x.device),
+        rht_signs=wgrad_rht_signs(recipe),
         col_stochastic=stochastic,
         seed=seed,
     )
@@ -175,7 +175,7 @@ def hopper_grad_operands(
         out["w"] = minite_kernels.decoded_weight(w_q, CACHE_DECODED_WEIGHT)
     if need_dw:
         _, x_col, x_dec = minite_kernels.quantize_grad_operands(
-            x, row=False, col=True, rht=wgrad_rht_matrix(recipe, x.device)
+            x, row=False, col=True, rht_signs=wgrad_rht_signs(recipe)
         )
         out.update(g_col=g_col, x_col=x_col, x_dec=x_dec)
     return out

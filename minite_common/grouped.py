@@ -230,7 +230,7 @@ def _hopper_backward(
         row_scale=w_q.channel_decode_scale(),
         row_stochastic=stochastic,
         col=need_dw,
-        rht=_autograd.wgrad_rht_matrix(recipe, x.device),
+        rht_signs=_autograd.wgrad_rht_signs(recipe),
         col_stochastic=stochastic,
         seed=seed,
     )
@@ -246,7 +246,7 @@ def _hopper_backward(
         del acc, g_row
     if need_dw:
         _, x_col, x_dec = quantize_grouped_grad_operands(
-            x, key, row=False, col=True, rht=_autograd.wgrad_rht_matrix(recipe, x.device)
+            x, key, row=False, col=True, rht_signs=_autograd.wgrad_rht_signs(recipe)
         )
         acc = torch.empty(groups, n, k, dtype=torch.float32, device=dev)
         padded = [-(-size // 16) * 16 for size in sizes]  # each group's column-operand rows

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from minite_common.hadamard import rht_matrix
+from minite_common.hadamard import RHT_SIGNS
 
 CHECKS = [
     "row_nearest",
@@ -93,8 +93,8 @@ def check_col_rht_exact() -> None:
     )
     x = x.to(torch.bfloat16)
     for rht in (True, False):
-        h = rht_matrix() if rht else None
-        row, col, dec = quantize_grad_operands(x, row=False, col=True, rht=h)
+        signs = RHT_SIGNS if rht else None
+        row, col, dec = quantize_grad_operands(x, row=False, col=True, rht_signs=signs)
         assert row is None and col.shape == (64, 48)
         ref = _col_reference(x, rht)
         assert torch.equal(col.float().t(), _values(ref)), f"col values differ (rht={rht})"
@@ -102,16 +102,22 @@ def check_col_rht_exact() -> None:
 
 
 def check_col_rht_random() -> None:
+    """Heavy-tailed input (float32 RHT sums round): bitwise the kernels' float32 butterfly model
+    (``e2m1_reference.rht_float32``), and nearly always the float64 torch path."""
+    from e2m1_reference import rht_float32
     from minite_kernels.nvfp4_grad import quantize_grad_operands
 
+    from minite_common import quantize_nvfp4
+
     x = _heavy(200, 64, 2)
-    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=rht_matrix())
+    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht_signs=RHT_SIGNS)
+    pad = torch.nn.functional.pad(x.float().t(), (0, -x.shape[0] % 16))
+    model = quantize_nvfp4(rht_float32(pad).contiguous(), amax="tensor")
+    assert torch.equal(col.float().t(), _values(model)), "col values differ from the f32 model"
+    assert torch.equal(dec[1], model.decode_scale)
     ref = _col_reference(x, True)
     same = (col.float().t() == _values(ref)).float().mean().item()
     assert same > 0.99, f"only {same:.4f} of the RHT'd values agree with the torch path"
-    assert torch.equal(dec[1], ref.decode_scale)
-    from minite_common import quantize_nvfp4
-
     assert torch.equal(row.float(), _values(quantize_nvfp4(x.float(), amax="tensor")))
 
 
@@ -183,7 +189,7 @@ def check_nonfinite() -> None:
 
     x = _heavy(40, 32, 4)
     x[3, 5] = float("nan")
-    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht=rht_matrix())
+    row, col, dec = quantize_grad_operands(x, row=True, col=True, rht_signs=RHT_SIGNS)
     assert torch.isnan(dec).all()
     y = _heavy(40, 32, 5)
     y[7, 1] = float("inf")

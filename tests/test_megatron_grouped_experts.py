@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from minite_common.hadamard import rht_matrix
+from minite_common.hadamard import RHT_SIGNS
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -347,9 +347,9 @@ def check_grad_operands() -> None:
     x = x.to(torch.bfloat16)
     scale = torch.rand(len(SIZES) * c, generator=g) + 0.5
     _, starts, pstarts = group_layout(SIZES, x.device)
-    for rht in (None, rht_matrix()):
+    for rht in (None, RHT_SIGNS):
         row, col, dec = quantize_grouped_grad_operands(
-            x, SIZES, row=True, row_scale=scale, col=True, rht=rht
+            x, SIZES, row=True, row_scale=scale, col=True, rht_signs=rht
         )
         assert col.shape == (sum(-(-s // 16) * 16 for s in SIZES), c)
         for e, size in enumerate(SIZES):
@@ -361,7 +361,7 @@ def check_grad_operands() -> None:
                 row=True,
                 row_scale=scale[e * c : (e + 1) * c],
                 col=True,
-                rht=rht,
+                rht_signs=rht,
             )
             assert torch.equal(r, row[starts[e] : starts[e] + size])
             assert torch.equal(cc, col[pstarts[e] : pstarts[e] + cc.shape[0]])

@@ -84,6 +84,86 @@ def test_stochastic_grad_operands_bitwise_the_shipped_rule(seed):
     assert torch.equal(as_tensor[0], row) and torch.equal(as_tensor[1], col)
 
 
+def _operand_model(v: torch.Tensor, seed: int | None, index: torch.Tensor) -> torch.Tensor:
+    """BF16 values of float32 ``v`` [P, Q] (CPU) in 1x16 blocks with a per-tensor amax, non-finite
+    elements as 0: nearest (``seed`` None) or the shipped stochastic rule; a zero keeps the sign
+    of its input (BF16 operands, not codes: the kernels copy the sign bit)."""
+    from e2m1_reference import stochastic_row_values
+
+    from minite_common import quantize_nvfp4
+    from minite_common.nvfp4 import E2M1_VALUES, unpack_codes
+
+    v = torch.where(v.isfinite(), v, 0.0)
+    if seed is None:
+        t = quantize_nvfp4(v, amax="tensor")
+        codes = torch.tensor(E2M1_VALUES)[unpack_codes(t.codes).long()].abs()
+        values = codes * t.scales.float().repeat_interleave(16, dim=1)
+        return torch.where(v.signbit(), -values, values).to(torch.bfloat16)
+    return stochastic_row_values(v, seed, index)
+
+
+def _heavy_tokens(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """BF16 [rows, cols] whose magnitudes change by up to 10^8 from token to token (the RHT's
+    float32 sums round), with zeros and -0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 10.0 ** (torch.rand(rows, 1, generator=g) * 8 - 4)
+    x[torch.rand(rows, cols, generator=g) < 0.05] = 0.0
+    x[0, :4] = -0.0
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_grad_operands_bitwise_the_float32_models(stochastic):
+    """Dense and grouped (empty, one-row and ragged groups) gradient operands on heavy-tailed
+    input, C not a multiple of the column tile: the row operand is the per-tensor quantization
+    of ``x * scale``, the col operand that of the float32 RHT butterfly model of each group's
+    zero-padded tokens (``e2m1_reference.rht_float32``), bitwise; NaN/Inf count as 0 and make
+    the operand's decode scale NaN."""
+    from e2m1_reference import rht_float32, seeds
+    from minite_kernels.nvfp4_grad import quantize_grad_operands
+    from minite_kernels.nvfp4_grouped import group_layout, quantize_grouped_grad_operands
+
+    from minite_common.hadamard import RHT_SIGNS
+
+    sizes = (100, 0, 1, 17, 300, 64, 3)
+    c, seed = 272, 4242
+    x = _heavy_tokens(sum(sizes), c, 1).float()
+    x[150, 7], x[420, 0] = float("nan"), float("-inf")  # groups 4 and 5
+    scale = torch.rand(len(sizes) * c) + 0.5
+    seed_row, seed_col = seeds(seed) if stochastic else (None, None)
+    kw = dict(row=True, row_stochastic=stochastic, col=True, rht_signs=RHT_SIGNS,
+              col_stochastic=stochastic, seed=seed)  # fmt: skip
+    _, starts, pstarts = group_layout(sizes, torch.device("cpu"))
+    row, col, dec = quantize_grouped_grad_operands(
+        x.cuda().bfloat16(), sizes, row_scale=scale.cuda(), **kw
+    )
+    row, col, dec = row.cpu(), col.cpu(), dec.cpu()
+    for e, (size, start, pstart) in enumerate(zip(sizes, starts, pstarts, strict=True)):
+        if not size:
+            assert torch.equal(dec[e], torch.ones(2))
+            continue
+        xe, p = x[start : start + size], -(-size // 16) * 16
+        ve = xe * scale[e * c : (e + 1) * c]
+        index = (start + torch.arange(size))[:, None] * c + torch.arange(c)[None, :]
+        assert torch.equal(row[start : start + size].view(torch.int16),
+                           _operand_model(ve, seed_row, index).view(torch.int16)), e  # fmt: skip
+        pad = rht_float32(torch.nn.functional.pad(xe.t(), (0, p - size))).contiguous()
+        index_t = (start + torch.arange(p))[None, :] * c + torch.arange(c)[:, None]
+        want = _operand_model(pad, seed_col, index_t).t()
+        assert torch.equal(col[pstart : pstart + p].view(torch.int16), want.view(torch.int16)), e
+        assert dec[e].isnan().tolist() == [e in (4, 5)] * 2
+    dense = quantize_grad_operands(x.cuda().bfloat16(), row_scale=scale[:c].cuda(), **kw)
+    r = x.shape[0]
+    index = torch.arange(r)[:, None] * c + torch.arange(c)[None, :]
+    want = _operand_model(x * scale[:c], seed_row, index)
+    assert torch.equal(dense[0].cpu().view(torch.int16), want.view(torch.int16))
+    pad = rht_float32(torch.nn.functional.pad(x.t(), (0, -r % 16))).contiguous()
+    index_t = torch.arange(pad.shape[1])[None, :] * c + torch.arange(c)[:, None]
+    want = _operand_model(pad, seed_col, index_t).t()
+    assert torch.equal(dense[1].cpu().view(torch.int16), want.view(torch.int16))
+    assert dense[2].isnan().all()
+
+
 def _compiled(kernel) -> int:
     return sum(len(caches[0]) for caches in kernel.device_caches.values())
 
