@@ -18,8 +18,9 @@ One input ``x`` [R, C] (R tokens, C features; any strides) gives, in the same pa
 Each output has one per-tensor amax (first pass: atomic max of the tiles' amax, non-finite flag
 alongside), then the recipe-v1 block scales of :func:`minite_common.quantize_nvfp4` (same
 float32 formula and order) and codes rounded to nearest even, or stochastically with the torch
-path's rule (the upper neighbour with probability ``(|v| - lo) / (hi - lo)``; 24-bit uniform
-random numbers from an integer hash of the element index and a seed). The decode scale (NaN
+path's rule (the upper neighbour with probability ``(|v| - lo) / (hi - lo)``: ``floor(|v| /
+step + u)``; 16-bit uniforms centred on their cells, two per integer hash of an element index
+and a seed: elements 8 apart along their block share one hash). The decode scale (NaN
 when the operand holds NaN/Inf, as the torch path gives) is written to a two-element vector.
 
 Compared with the torch path, the codes and scales are the same function of the operand; only
@@ -76,17 +77,21 @@ SIGN = tl.constexpr(-(2**31))
 
 
 @triton.jit
-def _uniform(seed, index):
-    """Uniform float32 in [0, 1) (24 random bits) for each int32 ``index``: Chris Wellons'
-    lowbias32 integer hash of the index mixed with ``seed``, a bijection with full avalanche
-    (about 10 integer operations, against about 70 for ``tl.rand``'s 10-round Philox)."""
+def _uniform_pair(seed, index):
+    """Two uniforms in (0, 1) for each int32 ``index``, ``(k + 1/2) * 2^-16`` with k the high and
+    the low 16 bits of Chris Wellons' lowbias32 integer hash of the index mixed with ``seed`` (a
+    bijection with full avalanche; about 9 integer operations for two draws, against about 70
+    per draw for ``tl.rand``'s 10-round Philox). The draws are centred on their 2^-16 cells, so
+    the stochastic rounding below is unbiased to within 2^-17 of a step."""
     x = index.to(tl.uint32, bitcast=True) * 0x9E3779B9 + seed.to(tl.uint32)
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     x = x ^ (x >> 16)
-    return (x >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+    hi = tl.fma((x >> 16).to(tl.float32), 1.52587890625e-05, 7.62939453125e-06)
+    lo = tl.fma((x & 0xFFFF).to(tl.float32), 1.52587890625e-05, 7.62939453125e-06)
+    return hi, lo
 
 
 @triton.jit
@@ -110,15 +115,14 @@ def e2m1_round_nearest(a):
 
 @triton.jit
 def e2m1_round_stochastic(a, u):
-    """float32 ``a`` in [0, 6] rounded to an E2M1 neighbour: the upper one when
-    ``u * (hi - lo) < a - lo`` (the torch path's rule; ``u`` uniform in [0, 1)), computed
-    divided by the step (a power of two, so exactly). Never above 6 since ``a <= 6``."""
+    """float32 ``a`` in [0, 6] rounded to an E2M1 neighbour with ``u`` uniform in (0, 1):
+    ``floor(a / step + u) * step`` (the upper one with probability ``(a - lo) / step``), the
+    division exact (a power of two) and the sum rounded once in float32 (one fused multiply-add:
+    ``a / step`` is exact). Never above 6 since ``a <= 6``."""
     magic = e2m1_magic(a)
     step = (magic - 0x0B800000).to(tl.float32, bitcast=True)
     per_step = (-0x75800000 - magic).to(tl.float32, bitcast=True)  # bits 0x8A800000 - magic
-    t = a * per_step
-    below = tl.floor(t)
-    return tl.where(u < t - below, below + 1.0, below) * step
+    return tl.floor(tl.fma(a, per_step, u)) * step
 
 
 @triton.jit
@@ -137,18 +141,27 @@ def _block_scales(bamax, s_enc, s_dec):
 
 
 @triton.jit
-def _qdq(v, scale, encode, seed, index, STOCHASTIC: tl.constexpr):
+def _qdq(v, scale, encode, u, STOCHASTIC: tl.constexpr):
     """BF16 ``code * scale`` of float32 ``v`` (finite) in its block of ``scale`` / ``encode``
-    (broadcast to ``v``), nearest-even or stochastic with the draw of ``index`` under ``seed``."""
+    (broadcast to ``v``), nearest-even or stochastic with the uniforms ``u``."""
     # v is finite and encode in (0, FLT_MAX]: the product is never NaN, so a plain min clamps.
     scaled = v * encode
     a = tl.minimum(tl.abs(scaled), 6.0)
-    if STOCHASTIC:
-        magnitude = e2m1_round_stochastic(a, _uniform(seed, index))
-    else:
-        magnitude = e2m1_round_nearest(a)
+    magnitude = e2m1_round_stochastic(a, u) if STOCHASTIC else e2m1_round_nearest(a)
     signed = magnitude.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & SIGN)
     return (signed.to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _draws(seed, index, STOCHASTIC: tl.constexpr):
+    """The uniform pair of elements ``index`` and ``index`` + 8 positions along the block (see
+    :func:`_uniform_pair`); zeros, unused, when not STOCHASTIC."""
+    if STOCHASTIC:
+        first, second = _uniform_pair(seed, index)
+    else:
+        first = tl.zeros(index.shape, tl.float32)
+        second = first
+    return first, second
 
 
 @triton.jit
@@ -365,10 +378,11 @@ def _qdq_program(x_ptr, stride_r, stride_c, r0, r_end, p0, C, c0, first, col_sca
             scale, encode = _block_scales(bamax, s_enc_r, s_dec_r)
             scale = scale[:, :, None]
             encode = encode[:, :, None]
-            index = rows * C + cols  # int32: random streams repeat past 2^31
+            # one hash for the two halves' elements (int32 index: streams repeat past 2^31)
+            u_lo, u_hi = _draws(seed_row, rows * C + cols, ROW_SR)
             out = row_out + rows.to(tl.int64) * C + cols
-            tl.store(out, _qdq(lo, scale, encode, seed_row, index, ROW_SR), mask=ok)
-            tl.store(out + 8, _qdq(hi, scale, encode, seed_row, index + 8, ROW_SR), mask=ok)
+            tl.store(out, _qdq(lo, scale, encode, u_lo, ROW_SR), mask=ok)
+            tl.store(out + 8, _qdq(hi, scale, encode, u_hi, ROW_SR), mask=ok)
         if COL:
             v = _col_stripe(x_ptr, stride_r, stride_c, r, r_end, offs_c, C, RHT, SIGNS, HW_CVT)
             bamax = tl.zeros([BLOCK_C], tl.float32)
@@ -379,9 +393,12 @@ def _qdq_program(x_ptr, stride_r, stride_c, r0, r_end, p0, C, c0, first, col_sca
                 w = w + (vi,)
             scale, encode = _block_scales(bamax, s_enc_c, s_dec_c)
             out = col_out + tl.cast(p0 + r - r0, tl.int64) * C + offs_c
-            for i in tl.static_range(STRIPE):
-                q = _qdq(w[i], scale, encode, seed_col, (r + i) * C + offs_c, COL_SR)
+            for i in tl.static_range(STRIPE // 2):  # rows i and i + 8 share a hash
+                u_i, u_i8 = _draws(seed_col, (r + i) * C + offs_c, COL_SR)
+                q = _qdq(w[i], scale, encode, u_i, COL_SR)
                 tl.store(out + i * C, q, mask=offs_c < C)
+                q = _qdq(w[i + 8], scale, encode, u_i8, COL_SR)
+                tl.store(out + (i + 8) * C, q, mask=offs_c < C)
 
 
 @triton.jit(do_not_specialize=["R"])

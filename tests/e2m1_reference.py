@@ -38,8 +38,7 @@ def rounding_kernel(a_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     per_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     old_near = ((a * per_step + 8388608.0) - 8388608.0) * step
-    lo = tl.floor(a * per_step) * step
-    old_sr = tl.minimum(tl.where(u * step < a - lo, lo + step, lo), 6.0)
+    old_sr = tl.minimum(tl.floor(a * per_step + u) * step, 6.0)
     out = out_ptr + offs * 6
     tl.store(out, old_code, mask=ok)
     tl.store(out + 1, e2m1_code_rne(a), mask=ok)
@@ -54,8 +53,9 @@ def seeds(seed: int) -> tuple[int, int]:
     return seed % 2**31, (seed * 2654435761 + 1013904223) % 2**31
 
 
-def lowbias32_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """The kernels' uniforms in torch int64 arithmetic (lowbias32 of index * golden + seed)."""
+def lowbias32_pair(seed: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' two uniforms per hash in torch int64 arithmetic: lowbias32 of
+    ``index * golden + seed``, its high and low 16 bits k as ``(k + 1/2) * 2^-16``."""
     m = 0xFFFFFFFF
     x = (index * 0x9E3779B9 + seed) & m
     x ^= x >> 16
@@ -63,13 +63,15 @@ def lowbias32_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     x ^= x >> 15
     x = (x * 0x846CA68B) & m
     x ^= x >> 16
-    return (x >> 8).float() * 2.0**-24
+    return ((x >> 16).float() + 0.5) * 2.0**-16, ((x & 0xFFFF).float() + 0.5) * 2.0**-16
 
 
 def stochastic_row_values(v: torch.Tensor, seed: int, index: torch.Tensor) -> torch.Tensor:
     """BF16 ``code * scale`` of float32 ``v`` [P, Q] (CPU, finite) quantized in 1x16 blocks with
-    the per-tensor amax and stochastic rounding as shipped: uniform ``u`` of element ``index``
-    (int64 [P, Q]) and ``seed``; the upper neighbour when ``u * step < |v * encode| - lo``."""
+    the per-tensor amax and stochastic rounding as shipped: ``floor(a / step + u) * step`` with
+    ``a = |v * encode|`` (the sum rounded once in float32) and ``u`` from ``seed`` and the int64
+    element indices ``index`` [P, Q]: element q of a block draws the high half of the hash of
+    its own index when q % 16 < 8, else the low half of the hash of element q - 8's index."""
     from minite_common import quantize_nvfp4
 
     ref = quantize_nvfp4(v, amax="tensor")  # the scales do not depend on the rounding
@@ -78,9 +80,11 @@ def stochastic_row_values(v: torch.Tensor, seed: int, index: torch.Tensor) -> to
     scaled = v * encode
     a = scaled.abs().clamp(max=6.0)
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    lo = torch.floor(a / step) * step
-    up = lowbias32_uniform(seed, index) * step < a - lo
-    magnitude = torch.where(up, lo + step, lo).clamp(max=6.0)
+    p, q = index.shape
+    blocks = index.view(p, q // 16, 2, 8)
+    first, second = lowbias32_pair(seed, blocks[:, :, 0])
+    u = torch.stack([first, second], dim=2).view(p, q)
+    magnitude = torch.floor(a / step + u) * step
     return (torch.where(scaled.signbit(), -magnitude, magnitude) * scale).to(torch.bfloat16)
 
 
