@@ -23,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import nvfp4_grad
 from .nvfp4_grad import (
-    BLOCK_C,
     BLOCK_R,
     _amax_program,
     _qdq_program,
@@ -197,20 +195,18 @@ def quantize_grouped_grad_operands(
             f"{list(row_scale.shape)}"
         )
     scale_arg = row_scale.float().contiguous() if has_scale else stats
-    grid = (tiles.shape[0], triton.cdiv(c, BLOCK_C))
     flags = kernel_flags(row, col, rht_signs)
+    grid = (tiles.shape[0], triton.cdiv(c, flags["BLOCK_C"]))
     _grouped_grad_amax_kernel[grid](
         x, x.stride(0), x.stride(1), c, tiles, scale_arg, stats,
-        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=nvfp4_grad.NUM_WARPS,
-        **flags,
+        ROW_SCALE=has_scale, BLOCK_R=BLOCK_R, num_warps=4, **flags,
     )  # fmt: skip
     _grouped_grad_qdq_kernel[grid](
         x, x.stride(0), x.stride(1), c, tiles, scale_arg, stats, decode,
         row_out if row else stats, col_out if col else stats,
         seed_tensor(seed, dev) if row_stochastic or col_stochastic else stats,
         ROW_SCALE=has_scale, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=nvfp4_grad.NUM_WARPS, enable_fp_fusion=False,
-        **flags,
+        BLOCK_R=BLOCK_R, num_warps=4, enable_fp_fusion=False, **flags,
     )  # fmt: skip
     return row_out, col_out, decode
 
