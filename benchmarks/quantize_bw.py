@@ -6,8 +6,10 @@ Shapes are the dense 8B-shaped layer's largest operands at 32768 tokens: activat
 4096] and [32768, 12288] (fc2's input), the weight [24576, 4096] (fc1, 16x16 blocks), and the
 backward operands of fc2 (output gradient [32768, 4096]: row operand with channel scales and
 stochastic rounding, column operand with RHT and stochastic rounding, from one read; the
-activation's column operand with RHT). ``generic`` rows run the BF16 activations through the
-generic kernel (the path before the word-pair kernel; its rounding is already the new one).
+activation's column operand with RHT), and the same two for the 30B-A3B-shaped MoE layer's
+experts (262144 routed rows in 128 equal groups, through the grouped kernels). ``generic``
+rows run the BF16 activations through the generic kernel (the path before the word-pair
+kernel; its rounding is already the new one).
 
     python benchmarks/quantize_bw.py --out $OUT
 """
@@ -27,6 +29,7 @@ def measure(device: torch.device) -> list[dict[str, float | str]]:
     """One row per kernel configuration: ms, bytes, TB/s, fraction of copy bandwidth."""
     from minite_kernels import nvfp4_quantize as q
     from minite_kernels.nvfp4_grad import quantize_grad_operands
+    from minite_kernels.nvfp4_grouped import quantize_grouped_grad_operands
     from triton.testing import do_bench
 
     from minite_common.hadamard import RHT_SIGNS
@@ -76,6 +79,21 @@ def measure(device: torch.device) -> list[dict[str, float | str]]:
     ), 2 * n * 2 + n * 2)  # fmt: skip
     add("activation [32768, 4096] col (RHT, nearest), 2 passes", bench(
         lambda: quantize_grad_operands(g, row=False, col=True, rht_signs=h)
+    ), 2 * n * 2 + n * 2)  # fmt: skip
+    del g
+    # The MoE layer's experts (128, top-8 of 32768 tokens): fc2's output gradient and fc1's input.
+    experts, routed = 128, 8 * tokens
+    sizes = tuple(torch.full((experts,), routed // experts).tolist())
+    g = torch.randn(routed, 2048, device=device, dtype=torch.bfloat16)
+    scale = torch.rand(experts * 2048, device=device) + 0.5
+    n = g.numel()
+    add(f"grouped grad [{routed}, 2048] row (SR) + col (RHT, SR), 2 passes", bench(
+        lambda: quantize_grouped_grad_operands(g, sizes, row=True, row_scale=scale,
+                                               row_stochastic=True, col=True, rht_signs=h,
+                                               col_stochastic=True, seed=seed)
+    ), 2 * n * 2 + 2 * n * 2)  # fmt: skip
+    add(f"grouped activation [{routed}, 2048] col (RHT, nearest), 2 passes", bench(
+        lambda: quantize_grouped_grad_operands(g, sizes, row=False, col=True, rht_signs=h)
     ), 2 * n * 2 + n * 2)  # fmt: skip
     for r in rows:
         r["copy_tb_s"] = copy_tb_s
