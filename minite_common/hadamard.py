@@ -32,23 +32,27 @@ def _rht_matrix(device: torch.device) -> torch.Tensor:
     return (signs.unsqueeze(1) * h) * 0.25
 
 
-def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+def random_hadamard_transform(
+    x: torch.Tensor, sum_dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Apply the RHT to blocks of 16 along the last dimension of ``x``; returns BF16.
 
     The last dimension must be a multiple of 16 (pad tokens with zeros, which the transform keeps
-    zero and which add nothing to a wgrad product). The sums run in float64 in a fixed butterfly
-    order, rounded to float32 and then to BF16: the same bits on every CPU.
+    zero and which add nothing to a wgrad product). The sums run in ``sum_dtype`` in a fixed
+    butterfly order, rounded to float32 and then to BF16: the same bits on every CPU. float64
+    (the default) is the learner's CPU path; ``torch.float32`` gives the bits of the Hopper
+    kernels (``kernels/nvfp4_grad.py``), which run the same order in float32.
     """
     if x.shape[-1] % RHT_SIZE:
         raise ValueError(
             f"random_hadamard_transform: last dimension {x.shape[-1]} is not a multiple of 16; "
             "zero-pad the token dimension first"
         )
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float64, device=x.device)
-    y = x.double().reshape(-1, RHT_SIZE) * signs  # exact
-    # ``blocks @ rht_matrix()`` as a fast Walsh-Hadamard transform in float64, in one fixed order
-    # (not a BLAS GEMM, whose summation order and hence bits depend on the CPU): Sylvester's H16
-    # is symmetric, so stage by stage ``[a, b] -> [a + b, a - b]`` over halves of 8, 4, 2, 1.
+    signs = torch.tensor(RHT_SIGNS, dtype=sum_dtype, device=x.device)
+    y = x.to(sum_dtype).reshape(-1, RHT_SIZE) * signs  # exact
+    # ``blocks @ rht_matrix()`` as a fast Walsh-Hadamard transform, in one fixed order (not a
+    # BLAS GEMM, whose summation order and hence bits depend on the CPU): Sylvester's H16 is
+    # symmetric, so stage by stage ``[a, b] -> [a + b, a - b]`` over pairs at distance 1, 2, 4, 8.
     h = 1
     while h < RHT_SIZE:
         y = y.view(-1, RHT_SIZE // (2 * h), 2, h)

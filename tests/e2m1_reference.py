@@ -4,8 +4,8 @@
   (``tests/test_kernels_interpreter.py``, check ``e2m1_rounding``);
 - :func:`stochastic_row_values`: a torch model of the gradient operands' stochastic rounding as
   it shipped (seed derivation, lowbias32 uniforms, the rule), for the interpreter and GPU tests;
-- :func:`rht_float32`: a torch model of the kernels' random Hadamard transform (the float32
-  butterfly in the CPU path's order, then BF16), to compare the col operand with bitwise.
+- the kernels' random Hadamard transform is ``random_hadamard_transform(x, torch.float32)``
+  (the CPU path's butterfly order, summed in float32).
 
 Imported only where Triton is (the interpreter subprocesses, tests/gpu)."""
 
@@ -86,20 +86,3 @@ def stochastic_row_values(v: torch.Tensor, seed: int, index: torch.Tensor) -> to
     u = torch.stack([first, second], dim=2).view(p, q)
     magnitude = torch.floor(a / step + u) * step
     return (torch.where(scaled.signbit(), -magnitude, magnitude) * scale).to(torch.bfloat16)
-
-
-def rht_float32(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' RHT of ``x`` (float32, blocks of 16 along the last dimension): signs, then
-    ``[a, b] -> [a + b, a - b]`` over pairs at distance 1, 2, 4, 8, each sum rounded to float32
-    (``minite_common.random_hadamard_transform`` runs the same order in float64), times 1/4,
-    rounded to BF16; returned as float32."""
-    from minite_common.hadamard import RHT_SIGNS
-
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
-    y = x.float().reshape(-1, 16) * signs
-    h = 1
-    while h < 16:
-        y = y.view(-1, 16 // (2 * h), 2, h)
-        y = torch.cat([y[:, :, :1] + y[:, :, 1:], y[:, :, :1] - y[:, :, 1:]], dim=2)
-        h *= 2
-    return (y.reshape(x.shape) * 0.25).to(torch.bfloat16).float()

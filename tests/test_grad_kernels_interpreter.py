@@ -103,16 +103,16 @@ def check_col_rht_exact() -> None:
 
 def check_col_rht_random() -> None:
     """Heavy-tailed input (float32 RHT sums round): bitwise the kernels' float32 butterfly model
-    (``e2m1_reference.rht_float32``), and nearly always the float64 torch path."""
-    from e2m1_reference import rht_float32
+    (``random_hadamard_transform`` summing in float32), and nearly always the float64 torch path."""
     from minite_kernels.nvfp4_grad import quantize_grad_operands
 
-    from minite_common import quantize_nvfp4
+    from minite_common import quantize_nvfp4, random_hadamard_transform
 
     x = _heavy(200, 64, 2)
     row, col, dec = quantize_grad_operands(x, row=True, col=True, rht_signs=RHT_SIGNS)
     pad = torch.nn.functional.pad(x.float().t(), (0, -x.shape[0] % 16))
-    model = quantize_nvfp4(rht_float32(pad).contiguous(), amax="tensor")
+    f32_butterfly = random_hadamard_transform(pad, torch.float32).float()
+    model = quantize_nvfp4(f32_butterfly, amax="tensor")
     assert torch.equal(col.float().t(), _values(model)), "col values differ from the f32 model"
     assert torch.equal(dec[1], model.decode_scale)
     ref = _col_reference(x, True)

@@ -116,13 +116,14 @@ def _heavy_tokens(rows: int, cols: int, seed: int) -> torch.Tensor:
 def test_grad_operands_bitwise_the_float32_models(stochastic):
     """Dense and grouped (empty, one-row and ragged groups) gradient operands on heavy-tailed
     input, C not a multiple of the column tile: the row operand is the per-tensor quantization
-    of ``x * scale``, the col operand that of the float32 RHT butterfly model of each group's
-    zero-padded tokens (``e2m1_reference.rht_float32``), bitwise; NaN/Inf count as 0 and make
-    the operand's decode scale NaN."""
-    from e2m1_reference import rht_float32, seeds
+    of ``x * scale``, the col operand that of each group's zero-padded tokens after
+    ``random_hadamard_transform`` summing in float32, bitwise; NaN/Inf count as 0 and make the
+    operand's decode scale NaN."""
+    from e2m1_reference import seeds
     from minite_kernels.nvfp4_grad import quantize_grad_operands
     from minite_kernels.nvfp4_grouped import group_layout, quantize_grouped_grad_operands
 
+    from minite_common import random_hadamard_transform
     from minite_common.hadamard import RHT_SIGNS
 
     sizes = (100, 0, 1, 17, 300, 64, 3)
@@ -147,7 +148,8 @@ def test_grad_operands_bitwise_the_float32_models(stochastic):
         index = (start + torch.arange(size))[:, None] * c + torch.arange(c)[None, :]
         assert torch.equal(row[start : start + size].view(torch.int16),
                            _operand_model(ve, seed_row, index).view(torch.int16)), e  # fmt: skip
-        pad = rht_float32(torch.nn.functional.pad(xe.t(), (0, p - size))).contiguous()
+        pad = torch.nn.functional.pad(xe.t(), (0, p - size))
+        pad = random_hadamard_transform(pad, torch.float32).float()
         index_t = (start + torch.arange(p))[None, :] * c + torch.arange(c)[:, None]
         want = _operand_model(pad, seed_col, index_t).t()
         assert torch.equal(col[pstart : pstart + p].view(torch.int16), want.view(torch.int16)), e
@@ -157,7 +159,8 @@ def test_grad_operands_bitwise_the_float32_models(stochastic):
     index = torch.arange(r)[:, None] * c + torch.arange(c)[None, :]
     want = _operand_model(x * scale[:c], seed_row, index)
     assert torch.equal(dense[0].cpu().view(torch.int16), want.view(torch.int16))
-    pad = rht_float32(torch.nn.functional.pad(x.t(), (0, -r % 16))).contiguous()
+    pad = torch.nn.functional.pad(x.t(), (0, -r % 16))
+    pad = random_hadamard_transform(pad, torch.float32).float()
     index_t = torch.arange(pad.shape[1])[None, :] * c + torch.arange(c)[:, None]
     want = _operand_model(pad, seed_col, index_t).t()
     assert torch.equal(dense[1].cpu().view(torch.int16), want.view(torch.int16))
