@@ -399,10 +399,11 @@ def gemm(
     how: Plan | None = None,
 ) -> None:
     """``y = a @ w.T`` with the contract's epilogue (``y`` preallocated [M, N]). ``phase_times``
-    (int64 [CTAs, 4], diagnostics, small-M kernel): a build that records each CTA's start, staged
-    activation, main-loop end and finish on the GPU's global timer. ``splits`` / ``warpgroups``
-    force the cluster size / the warpgroups per CTA, ``how`` the whole plan (probes, tests; same
-    bits)."""
+    (int64 [CTAs, 4], diagnostics): a build that records on the GPU's global timer each CTA's
+    start, staged activation, main-loop end and finish (clustered small-M kernel), or its first
+    consumer warpgroup's start, first stage ready, last unit done and finish (streamed kernel).
+    ``splits`` / ``warpgroups`` force the cluster size / the warpgroups per CTA, ``how`` the whole
+    plan (probes, tests; same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
     fits, streamed = ws_fits(w), stream_fits(a, w)
