@@ -40,7 +40,7 @@ from minite_common import (
 )
 
 ROTATE = 4
-SQUARE_MS = (1, 16, 64, 256, 1024, 8192)
+SQUARE_MS = (1, 16, 64, 128, 256, 1024, 8192)
 QWEN_DENSE = {"qkv 2048->5120": (5120, 2048), "o 4096->2048": (2048, 4096)}
 QWEN_EXPERTS = {"experts 2048->2x768": (1536, 2048), "experts 768->2048": (2048, 768)}
 QWEN_MS = (1, 16, 64, 256, 1024, 8192)

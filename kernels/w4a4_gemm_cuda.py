@@ -57,8 +57,11 @@ LBO, SBO = 128, 256
 _WS_BLOCK_MS = (128, 256)
 _WS_WEIGHT_CHUNK = ROWS * 256
 _WS_RING_BYTES = 204800
-#: Measured time of one wide-M CTA per batch tile (N = K = 8192, H200), for the tile choice.
+#: Measured time of one wide-M CTA per batch tile (N = K = 8192, H200), for the tile choice; per
+#: 128-element chunk (the CTA time / 64) and a launch overhead for comparing with other kernels.
 _WS_CTA_US = {64: 37.0, 128: 47.0, 256: 80.0}
+_WS_CHUNK_US = {b: us / 64 for b, us in _WS_CTA_US.items()}
+_WS_OVERHEAD_US = 3.0
 #: The wide-M kernel also serves 256 < M <= WS_MAX_M where K >= _WS_WIDE_MIN_K.
 WS_MAX_M = 1024
 #: The Triton large-M kernel's tile (weight rows, tokens: ``w4a4_gemm.LARGE_CONFIG``), and the M
@@ -76,6 +79,21 @@ _STREAM_WARPGROUPS = (2, 3)
 #: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
 STREAM_MIN_WEIGHT = 1 << 23
 _STREAM_RING_BYTES = 200704
+#: Wide-M kernels with register A (``WIDE_KERNEL`` in the CUDA source): batch rows per CTA; 128
+#: weight rows per CTA (two consumer warpgroups), a stage per 128-element chunk (the rows' codes
+#: and scales, WIDE_ROW_BYTES each, and the activation image's block), as many as fit the ring
+#: (at most 8); split K over fold chunks where the grid would leave SMs idle.
+_WIDE_BLOCK_MS = (32, 64, 128)
+WIDE_ROWS = 128
+_WIDE_ROW_BYTES = 96
+_WIDE_RING_BYTES = 204800
+#: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
+#: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M)): per
+#: 128-element chunk of a CTA, per batch tile (us); the epilogue; with split K a fold overhead
+#: and a cost per MB of partials written and read back.
+_WIDE_CHUNK_US = {32: 0.57, 64: 0.66, 128: 0.95}
+_WIDE_EPILOGUE_US = {32: 3.0, 64: 4.0, 128: 6.0}
+_WIDE_FOLD_US, _WIDE_PARTIAL_US_PER_MB = 3.0, 0.4
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.
 MAX_SPLIT_TILES = 1 << 16
 
@@ -118,7 +136,7 @@ class Plan(NamedTuple):
     count (the cluster size, small M), the (consumer) warpgroups per CTA (mid M, wide M) and the
     producer warpgroups (wide M)."""
 
-    family: str  # "small", "mid", "ws" (wide M, warp-specialized) or "stream" (small M)
+    family: str  # "small", "mid", "ws" / "wide" (wide M: shared / register A), "stream" (small M)
     block_m: int
     per_split: int
     splits: int
@@ -130,6 +148,8 @@ class Plan(NamedTuple):
         variant, its K is a multiple of 256)."""
         if self.family == "stream":
             return f"w4a4_stream_m{self.block_m}_w{self.warpgroups}"
+        if self.family == "wide":
+            return f"w4a4_wide_n{self.block_m}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -139,7 +159,7 @@ class Plan(NamedTuple):
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def threads(self) -> int:
-        if self.family == "stream":  # and one producer warpgroup
+        if self.family in ("stream", "wide"):  # and one producer warpgroup
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
@@ -150,6 +170,9 @@ class Plan(NamedTuple):
         if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
             stage = ROWS * (288 + 32) + self.block_m * 1024
             return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
+        if self.family == "wide":  # stages (weight codes, activation chunk), barriers, a flag
+            stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
+            return min(8, _WIDE_RING_BYTES // stage) * (stage + 16) + 16
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -173,6 +196,7 @@ def _kernel_names() -> list[str]:
         for b in _STREAM_BLOCK_MS
         for w in _STREAM_WARPGROUPS
     ]
+    gemms += [Plan("wide", b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS]
     return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS + _WS_BLOCK_MS]
 
 
@@ -189,20 +213,25 @@ def _broken(index: int) -> str | None:
 def serves(a, w, y: torch.Tensor) -> bool:
     """Whether this GEMM goes to the CUDA C++ kernel (the mode, the shape, the device)."""
     mode = cuda_jit.mode()
-    ws, streamed = ws_fits(w), stream_fits(a, w)
-    if mode == "off" or not supports(a, w, y, ws, streamed):
+    ws, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
+    if mode == "off" or not supports(a, w, y, ws, streamed, wide):
         return False
     if not available(a.codes.device):
         return False
     sms = _sms(a.codes.device)
-    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws, streamed)
+    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws, streamed, wide)
 
 
-def preferred(m: int, n: int, k: int, sms: int, ws: bool = True, stream: bool = True) -> bool:
+def preferred(
+    m: int, n: int, k: int, sms: int, ws: bool = True, stream: bool = True, wide: bool = True
+) -> bool:
     """Whether an M x N x K GEMM measured faster here than in the Triton kernel (the ``auto``
-    mode's choice; ``ws`` / ``stream``: the wide-M / streamed kernel can read the operands; H200
-    figures in benchmarks/NOTES_kernels.md)."""
+    mode's choice; ``ws`` / ``stream`` / ``wide``: the warp-specialized wide-M / streamed /
+    register-A wide-M kernel can read the operands; H200 figures in
+    benchmarks/NOTES_kernels.md)."""
     if stream and _stream_wanted(m, n, k):
+        return True
+    if wide and _wide_default(m, n, k, sms) is not None:
         return True
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
@@ -233,13 +262,22 @@ def available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9 and _broken(index) is None
 
 
-def supports(a, w, y: torch.Tensor, ws: bool | None = None, streamed: bool | None = None) -> bool:
+def supports(
+    a,
+    w,
+    y: torch.Tensor,
+    ws: bool | None = None,
+    streamed: bool | None = None,
+    wide: bool | None = None,
+) -> bool:
     """Whether these operands fit the kernel (rows, K, alignment, output dtype; ``ws`` /
-    ``streamed``: the results of :func:`ws_fits` / :func:`stream_fits`, computed when None)."""
+    ``streamed`` / ``wide``: the results of :func:`ws_fits` / :func:`stream_fits` /
+    :func:`wide_fits`, computed when None)."""
     aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
     ws = ws_fits(w) if ws is None else ws
     streamed = stream_fits(a, w) if streamed is None else streamed
-    how = plan(a.rows, w.rows, a.cols, 132, ws=ws, stream=streamed)
+    wide = wide_fits(a, w) if wide is None else wide
+    how = plan(a.rows, w.rows, a.cols, 132, ws=ws, stream=streamed, wide=wide)
     return y.dtype in _OUT_KINDS and aligned and how is not None
 
 
@@ -268,6 +306,87 @@ def stream_fits(a, w) -> bool:
             for t in (a.codes, w.codes, a.scales, w.scales)
         )
     )
+
+
+def wide_fits(a, w) -> bool:
+    """Whether the register-A wide-M kernel can read these operands: whole 128-element chunks
+    (K % 128 == 0), 16-byte aligned rows of codes, 8-byte aligned rows of weight scales, and a
+    tile counter per (batch tile, 128 weight rows)."""
+    codes, scales = w.codes, w.scales
+    return (
+        w.cols % 128 == 0
+        and triton.cdiv(a.rows, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
+        and codes.data_ptr() % 16 == 0
+        and codes.stride(0) * codes.element_size() % 16 == 0
+        and scales.data_ptr() % 8 == 0
+        and scales.stride(0) * scales.element_size() % 8 == 0
+        and codes.stride(1) == 1
+        and scales.stride(1) == 1
+    )
+
+
+def wide_us(m: int, n: int, k: int, sms: int, block_m: int, splits: int) -> float:
+    """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``)."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
+    n_folds = triton.cdiv(k, FOLD)
+    chunks = min(triton.cdiv(n_folds, splits) * (FOLD // CHUNK), triton.cdiv(k, CHUNK))
+    t = triton.cdiv(tiles * splits, sms) * chunks * _WIDE_CHUNK_US[block_m]
+    t += _WIDE_EPILOGUE_US[block_m]
+    if splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
+        partial_mb = tiles * (n_folds - n_folds // splits) * WIDE_ROWS * block_m * 4 / 1e6
+        t += _WIDE_FOLD_US + _WIDE_PARTIAL_US_PER_MB * partial_mb
+    return t
+
+
+def wide_plan(
+    m: int, n: int, k: int, sms: int, block_m: int | None = None, splits: int | None = None
+) -> Plan | None:
+    """The register-A wide-M kernel's plan (K % 128 == 0): batch tile ``block_m`` and K split
+    over fold chunks ``splits``, each by default the least modelled time (:func:`wide_us`) among
+    the tiles measured for such M (32 up to M = 32, 64 up to 64, else 64 or 128) and the split
+    counts whose grid fits one wave."""
+    n_folds = triton.cdiv(k, FOLD)
+    if (
+        k % CHUNK
+        or block_m not in (None, *_WIDE_BLOCK_MS)
+        or splits not in (None, *range(1, n_folds + 1))
+    ):
+        return None
+    if block_m is not None:
+        tiles = (block_m,)
+    else:
+        tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
+    options = [
+        (wide_us(m, n, k, sms, b, s), b, s)
+        for b in tiles
+        for s in ([splits] if splits is not None else range(1, n_folds + 1))
+        # split K within one wave (as measured): later waves would wait on the partials' traffic
+        if splits is not None or s == 1 or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
+    ]
+    _, bm, s = min(options)
+    return Plan("wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
+
+
+def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
+    """The wide kernel's plan where it is the default (16 < M <= 256, see
+    :func:`_wide_wanted`), else None."""
+    if not SMALL_MAX_M < m <= MAX_M or k % CHUNK:
+        return None
+    how = wide_plan(m, n, k, sms)
+    return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
+
+
+def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
+    """Where the wide kernel is the default for 16 < M <= 256: up to M = 32 while its tiles fit
+    one wave (beyond, the mid-M kernel with two CTAs per SM measured faster: 24576 x 4096, 39.7
+    vs 43.8 us), above while its modelled time is at most the warp-specialized kernel's (which
+    won on grids of 0.6-1 wave of 64-row tiles at short K: Qwen3 qkv at M = 64, 13.0 vs 14.4)."""
+    if m <= 32:
+        return triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS) <= sms
+    ws = _ws_plan(m, n, sms)
+    waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
+    ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
+    return wide_us(m, n, k, sms, how.block_m, how.splits) <= ws_us
 
 
 def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None) -> Plan | None:
@@ -354,14 +473,20 @@ def plan(
     warpgroups: int | None = None,
     ws: bool = True,
     stream: bool = False,
+    wide: bool = False,
 ) -> Plan | None:
     """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` / ``warpgroups`` force the cluster
     size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws`` /
-    ``stream``: the wide-M / streamed kernel can read the operands, see :func:`ws_fits` and
-    :func:`stream_fits`); None when the kernels cannot serve it (M too large, K too long for a
-    cluster's shared memory)."""
+    ``stream`` / ``wide``: the warp-specialized wide-M / streamed / register-A wide-M kernel
+    can read the operands, see :func:`ws_fits`, :func:`stream_fits` and :func:`wide_fits`);
+    None when the kernels cannot serve it (M too large, K too long for a cluster's shared
+    memory)."""
     if stream and splits is None and warpgroups is None and _stream_wanted(m, n, k):
         return stream_plan(m, n, k, sms)
+    if wide and splits is None and warpgroups is None:
+        how = _wide_default(m, n, k, sms)
+        if how is not None:
+            return how
     wide = splits is None and warpgroups is None and ws and k % 32 == 0
     if m > MAX_M:
         return _ws_plan(m, n, sms) if wide and _ws_wide_serves(m, k) else None
@@ -407,7 +532,7 @@ def gemm(
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
     fits, streamed = ws_fits(w), stream_fits(a, w)
-    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed)
+    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide_fits(a, w))
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
@@ -420,6 +545,11 @@ def gemm(
             f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
             "K % 256 == 0 and 16-byte aligned codes and scales"
         )
+    if how.family == "wide" and not wide_fits(a, w):
+        raise ValueError(
+            f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
+            "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
+        )
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
@@ -429,11 +559,16 @@ def gemm(
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = partials = counters = None
+    if how.family == "wide" and how.splits > 1:  # per (tile, fold chunk): 256 threads x BM / 2
+        tiles = m_tiles * triton.cdiv(n, WIDE_ROWS)
+        size = tiles * triton.cdiv(k, FOLD) * 128 * how.block_m
+        partials = torch.empty(size, dtype=torch.float32, device=device)
+        counters = split_counters(device)
     if how.family == "stream":
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
-    elif how.family != "small":  # the activation decoded once into its shared-memory image
+    if how.family not in ("small", "stream"):  # the activation decoded once into its image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
@@ -458,10 +593,13 @@ def gemm(
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
+        z = how.splits if how.family == "wide" else 1
+        if how.family == "wide":
+            n_tiles = triton.cdiv(n, WIDE_ROWS)
         threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
-        grid = (m_tiles, n_tiles, 1)
+        grid = (m_tiles, n_tiles, z)
     kernel = kernels[how.kernel_name(k % CHUNK == 0)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes

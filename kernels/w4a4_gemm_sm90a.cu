@@ -249,6 +249,16 @@ __device__ __forceinline__ float bits_f32(u32 v) { return __int_as_float((int)v)
 template <int BM>
 __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, int n_base, int m0,
                                           int g, int t) {
+  // the decode scales and the bias loaded first (clamped rows): inside the loop the compiler
+  // could not move them above the previous output's store, and each would wait for memory
+  const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
+  const float wa = p.w_dec[(long long)na * p.w_dec_stride];
+  const float wb = p.w_dec[(long long)nb * p.w_dec_stride];
+  const float ba = p.bias ? p.bias[na] : 0.f, bb = p.bias ? p.bias[nb] : 0.f;
+  float ad[BM / 4];
+#pragma unroll
+  for (int h = 0; h < BM / 4; ++h)
+    ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) {
     const int j = i / 4, e = i % 4;
@@ -256,9 +266,9 @@ __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, i
     const int m = m0 + 8 * j + 2 * t + (e & 1);
     if (n >= p.N || m >= p.M) continue;
     float v = __fmul_rn(acc.d[i], 16384.0f);
-    v = __fmul_rn(v, p.a_dec[(long long)m * p.a_dec_stride]);
-    v = __fmul_rn(v, p.w_dec[(long long)n * p.w_dec_stride]);
-    if (p.bias) v = __fadd_rn(v, p.bias[n]);
+    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
+    v = __fmul_rn(v, (e & 2) ? wb : wa);
+    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
     char* out = (char*)p.y;
     const long long off = (long long)m * p.stride_ym + (long long)n * p.stride_yn;
     if (p.out_kind == 2) {
@@ -1225,3 +1235,336 @@ STREAM_KERNEL(8, 2)
 STREAM_KERNEL(8, 3)
 STREAM_KERNEL(16, 2)
 STREAM_KERNEL(16, 3)
+
+// ---- Wide M, register A: consumers decode the staged weight codes into wgmma fragments ----
+//
+// Same K order and fold as above. A CTA computes 128 weight rows x BN batch rows over a range of
+// fold chunks (split z of gridDim.z: fold chunks [z F / S, (z + 1) F / S)). A producer warpgroup
+// fills a STAGES-deep ring, one 128-element chunk per stage: the codes and scales of the 128 rows
+// (16-byte cp.async, four threads per row: coalesced; rows 96 bytes apart, conflict-free for the
+// consumers' 8-byte reads) and the chunk's block of the decoded activation image (one bulk copy).
+// Two consumer warpgroups, 64 weight rows each, decode their rows' codes from the stage into
+// register A fragments (chunk j + 1 while chunk j's chain runs) and run m64 nBN k16 chains against
+// the shared activation block: the activation's shared-memory bytes are read once per 128 rows,
+// and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0 keeps its
+// fold-chunk prefix, the others each fold chunk's partial, in a global workspace; the tile's
+// last CTA folds them in chunk order (the tile counter as in the streamed kernel).
+
+#define WR_ROWS 128   // weight rows per CTA (two consumer warpgroups)
+#define WR_STRIDE 96  // bytes per weight row of a stage: 64 of codes, 8 of scales, padding
+
+template <int BN>
+struct WideShape {
+  static constexpr int W_BYTES = WR_ROWS * WR_STRIDE;
+  static constexpr int A_BYTES = BN * 256;
+  static constexpr int STAGE = W_BYTES + A_BYTES;
+  static constexpr int STAGES = 204800 / STAGE < 8 ? 204800 / STAGE : 8;  // w4a4_gemm_cuda.py
+};
+
+__device__ __forceinline__ void wgmma(Acc<128>& c, const u32 (&a)[4], u64 desc, int accumulate) {
+  asm volatile(WGMMA_HEAD(69) "128k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,"
+               "%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,"
+               "%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"
+               "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+               "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+               : "+f"(c.d[0]), "+f"(c.d[1]), "+f"(c.d[2]), "+f"(c.d[3]), "+f"(c.d[4]), "+f"(c.d[5]),
+                 "+f"(c.d[6]), "+f"(c.d[7]), "+f"(c.d[8]), "+f"(c.d[9]), "+f"(c.d[10]), "+f"(c.d[11]),
+                 "+f"(c.d[12]), "+f"(c.d[13]), "+f"(c.d[14]), "+f"(c.d[15]), "+f"(c.d[16]), "+f"(c.d[17]),
+                 "+f"(c.d[18]), "+f"(c.d[19]), "+f"(c.d[20]), "+f"(c.d[21]), "+f"(c.d[22]), "+f"(c.d[23]),
+                 "+f"(c.d[24]), "+f"(c.d[25]), "+f"(c.d[26]), "+f"(c.d[27]), "+f"(c.d[28]), "+f"(c.d[29]),
+                 "+f"(c.d[30]), "+f"(c.d[31]), "+f"(c.d[32]), "+f"(c.d[33]), "+f"(c.d[34]), "+f"(c.d[35]),
+                 "+f"(c.d[36]), "+f"(c.d[37]), "+f"(c.d[38]), "+f"(c.d[39]), "+f"(c.d[40]), "+f"(c.d[41]),
+                 "+f"(c.d[42]), "+f"(c.d[43]), "+f"(c.d[44]), "+f"(c.d[45]), "+f"(c.d[46]), "+f"(c.d[47]),
+                 "+f"(c.d[48]), "+f"(c.d[49]), "+f"(c.d[50]), "+f"(c.d[51]), "+f"(c.d[52]), "+f"(c.d[53]),
+                 "+f"(c.d[54]), "+f"(c.d[55]), "+f"(c.d[56]), "+f"(c.d[57]), "+f"(c.d[58]), "+f"(c.d[59]),
+                 "+f"(c.d[60]), "+f"(c.d[61]), "+f"(c.d[62]), "+f"(c.d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+// A consumer thread's weight data of one stage: rows r0 and r0 + 8 of the stage (the layout
+// load_raw reads from global).
+__device__ __forceinline__ void wide_raw(const unsigned char* stage, int r0, int t, Raw& r) {
+  const unsigned char* w0 = stage + r0 * WR_STRIDE + 8 * t;
+  const unsigned char* w1 = w0 + 8 * WR_STRIDE;
+  const uint2 a = *(const uint2*)w0, b = *(const uint2*)w1;
+  const uint2 c = *(const uint2*)(w0 + 32), d = *(const uint2*)(w1 + 32);
+  r.w[0] = a.x; r.w[1] = a.y; r.w[2] = b.x; r.w[3] = b.y;
+  r.w[4] = c.x; r.w[5] = c.y; r.w[6] = d.x; r.w[7] = d.y;
+  const unsigned char* s0 = stage + r0 * WR_STRIDE + 64 + t;
+  r.s[0] = s0[0];
+  r.s[1] = s0[8 * WR_STRIDE];
+  r.s[2] = s0[4];
+  r.s[3] = s0[8 * WR_STRIDE + 4];
+}
+
+// The producer warpgroup: chunk j0 + i into stage i % STAGES. Rows past N are not copied (they only
+// feed outputs that are never stored).
+template <int BN>
+__device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0, int j0,
+                                             int j1, int tid) {
+  using S = WideShape<BN>;
+  const unsigned char* w_codes = (const unsigned char*)p.w_words;
+  const long long w_row = p.stride_ww * 4;
+  // the weight is no previous kernel's output: pull the first chunks into L2 before waiting
+  for (int i = 0; i < 4; ++i) {
+    const int id = tid + 128 * i, r = id >> 2, col = (id & 3) * 16;
+    if (n0 + r < p.N && j0 < j1)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row + j0 * 64 + col));
+  }
+  wait_previous_kernel();
+  for (int j = j0; j < j1; ++j) {
+    const int i = j - j0, s = i % S::STAGES, round = i / S::STAGES;
+    const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
+    const u32 stage = base + s * S::STAGE;
+    if (round > 0) mbar_wait(empty, (round - 1) & 1);
+    if (tid == 0) {
+      mbar_expect_tx(full, S::A_BYTES);
+      const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + j) * S::A_BYTES;
+      bulk_copy(stage + S::W_BYTES, src, S::A_BYTES, full);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // codes: 128 rows x 4 granules
+      const int id = tid + 128 * q, r = id >> 2, col = (id & 3) * 16;
+      if (n0 + r < p.N)
+        cp_async16(stage + r * WR_STRIDE + col, w_codes + (n0 + r) * w_row + j * 64 + col);
+    }
+    if (n0 + tid < p.N)  // scales: 8 bytes per row
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + tid * WR_STRIDE + 64),
+                   "l"(p.w_scales + (n0 + tid) * p.stride_ws + j * 8)
+                   : "memory");
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+    if (j + 8 < j1) {  // keep the weight streaming into L2 ahead of the ring
+      const int r = tid >> 2, col = (tid & 3) * 16;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (n0 + r + 32 * q < p.N)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r + 32 * q) * w_row +
+                                                        (j + 8) * 64 + col));
+    }
+  }
+}
+
+// Consumer step of chunk j (fragments in a[P]): its chain, chunk j + 1 decoded into a[P ^ 1]
+// meanwhile, the stage released, and at a fold chunk's end the fold (split 0: the prefix in
+// `acc`) or the partial's store.
+template <int BN, int P>
+__device__ __forceinline__ void wide_step(const Params& p, const unsigned char* smem, u32 base,
+                                          u32 bars, int j, int j0, int j1, int r0, int t,
+                                          u32 (&a)[2][8][4], Acc<BN>& part, Acc<BN>& acc,
+                                          float4* slots) {
+  using S = WideShape<BN>;
+  const int i = j - j0, s = i % S::STAGES;
+  const u64 desc = smem_desc(base + s * S::STAGE + S::W_BYTES, LBO_BYTES, SBO_BYTES);
+  issue_chunk<BN>(part, a[P], desc, j % FOLD_CHUNKS == 0);
+  if (j + 1 < j1) {
+    const int s1 = (i + 1) % S::STAGES;
+    mbar_wait(bars + 8 * s1, ((i + 1) / S::STAGES) & 1);
+    Raw raw;
+    wide_raw(smem + s1 * S::STAGE, r0, t, raw);
+    decode_raw(raw, a[P ^ 1]);
+  }
+  wgmma_wait<0>();
+  fence_acc(part);
+  mbar_arrive(bars + 8 * (S::STAGES + s));  // the chain and the code reads of stage s are done
+  if ((j + 1) % FOLD_CHUNKS != 0 && j + 1 != j1) return;
+  if (j0 == 0) {  // split 0: the prefix from fold chunk 0 on
+#pragma unroll
+    for (int e = 0; e < BN / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], part.d[e]);
+  } else {
+    float4* mine = slots + (long long)(j / FOLD_CHUNKS) * (BN / 8) * 256;
+#pragma unroll
+    for (int e = 0; e < BN / 8; ++e)
+      mine[e * 256] =
+          make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+  }
+}
+
+// The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global
+// stores are 16-byte row segments of y instead of 2-byte elements 4 rows apart: each thread puts
+// its values (store_out's arithmetic, in the output type) into a [BN][128] tile, then the 256
+// consumer threads copy its rows out. For a y with unit column stride and 16-byte aligned rows;
+// otherwise store_out. Called by both consumer warpgroups once every read of the ring is done.
+template <int BN>
+__device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
+                                           unsigned char* smem, int n0, int m0, int wg, int tid) {
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int n_base = n0 + 64 * wg + 16 * warp;
+  const int esize = p.out_kind == 2 ? 4 : 2;
+  const bool rows16 = p.stride_yn == 1 && ((unsigned long long)p.y & 15) == 0 &&
+                      (p.stride_ym * esize) % 16 == 0;
+  if (!rows16) {
+    store_out<BN>(p, acc, n_base, m0, g, t);
+    return;
+  }
+  const int pitch = 128 * esize + 16;  // bytes per tile row (padded: conflict-free writes)
+  const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
+  const float wa = p.w_dec[(long long)na * p.w_dec_stride];
+  const float wb = p.w_dec[(long long)nb * p.w_dec_stride];
+  const float ba = p.bias ? p.bias[na] : 0.f, bb = p.bias ? p.bias[nb] : 0.f;
+  float ad[BN / 4];
+#pragma unroll
+  for (int h = 0; h < BN / 4; ++h)
+    ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups are past the ring
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) {
+    const int j = i / 4, e = i % 4;
+    const int c = 64 * wg + 16 * warp + g + ((e & 2) ? 8 : 0);
+    const int r = 8 * j + 2 * t + (e & 1);
+    float v = __fmul_rn(acc.d[i], 16384.0f);
+    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
+    v = __fmul_rn(v, (e & 2) ? wb : wa);
+    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
+    unsigned char* dst = smem + r * pitch + c * esize;
+    if (p.out_kind == 2) {
+      *(float*)dst = v;
+    } else {
+      unsigned short h;
+      if (p.out_kind == 0)
+        asm("{\n.reg .b32 x;\ncvt.rn.bf16x2.f32 x, %1, %1;\nmov.b32 {%0, _}, x;\n}\n"
+            : "=h"(h) : "f"(v));
+      else
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+      *(unsigned short*)dst = h;
+    }
+  }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  const int per_row = 128 * esize / 16, per_seg = 16 / esize;  // 16-byte segments of a row
+  for (int id = 128 * wg + tid; id < BN * per_row; id += 256) {
+    const int r = id / per_row, s = id % per_row, m = m0 + r, n = n0 + s * per_seg;
+    if (m >= p.M || n >= p.N) continue;
+    const unsigned char* src = smem + r * pitch + s * 16;
+    char* row = (char*)p.y + ((long long)m * p.stride_ym + n) * esize;
+    if (n + per_seg <= p.N) {
+      *(uint4*)row = *(const uint4*)src;
+    } else {  // the last columns of y
+      for (int q = 0; q < p.N - n; ++q) {
+        if (esize == 4)
+          ((float*)row)[q] = ((const float*)src)[q];
+        else
+          ((unsigned short*)row)[q] = ((const unsigned short*)src)[q];
+      }
+    }
+  }
+}
+
+template <int BN>
+__device__ __forceinline__ void gemm_wide(const Params& p) {
+  using S = WideShape<BN>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 base = (u32)__cvta_generic_to_shared(smem);
+  const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
+  int* last = (int*)(smem + S::STAGES * S::STAGE + 16 * S::STAGES);
+  const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128, splits = gridDim.z;
+  const int z = blockIdx.z;
+  const int f0 = z * n_folds / splits, f1 = (z + 1) * n_folds / splits;
+  const int j0 = f0 * FOLD_CHUNKS, j1 = min(f1 * FOLD_CHUNKS, k_chunks);
+  const int n0 = blockIdx.y * WR_ROWS;
+  // warp-uniform for the compiler (see gemm_ws)
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::STAGES; ++s) {
+      mbar_init(bars + 8 * s, 129);                // each producer thread's copies + the bulk copy
+      mbar_init(bars + 8 * (S::STAGES + s), 256);  // every consumer thread
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // registers: 168 per thread at launch; the producer needs 56, the consumers up to 224 (BN = 128:
+  // two accumulators and two chunks of fragments), 56 x 128 + 224 x 256 = 168 x 384
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    wide_produce<BN>(p, base, bars, n0, j0, j1, tid);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  wait_previous_kernel();
+  PHASE_TIME(0);
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int r0 = 64 * wg + 16 * warp + g;  // this thread's rows r0, r0 + 8 of the stage
+  const int tile = blockIdx.x * gridDim.y + blockIdx.y;
+  Acc<BN> part, acc;
+#pragma unroll
+  for (int e = 0; e < BN / 2; ++e) acc.d[e] = 0.f;
+  // split K: partial (tile, fold chunk f) as BN / 8 float4 per thread, [f][e][256 threads]
+  float4* slots = (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + 128 * wg + tid;
+  u32 a[2][8][4];
+  {
+    Raw raw;
+    mbar_wait(bars, 0);
+    PHASE_TIME(1);
+    wide_raw(smem, r0, t, raw);
+    decode_raw(raw, a[0]);
+  }
+  for (int j = j0; j < j1; j += 2) {
+    wide_step<BN, 0>(p, smem, base, bars, j, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 1 < j1)
+      wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
+  }
+  PHASE_TIME(2);
+  const int m0 = blockIdx.x * BN;
+  if (splits == 1) {
+    wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+    PHASE_TIME(3);
+    return;
+  }
+  if (z == 0) {
+#pragma unroll
+    for (int e = 0; e < BN / 8; ++e)
+      slots[e * 256] =
+          make_float4(acc.d[4 * e], acc.d[4 * e + 1], acc.d[4 * e + 2], acc.d[4 * e + 3]);
+  }
+  // count this CTA's arrival (the barrier orders both warpgroups' partial stores before thread
+  // 0's fence, which makes them visible GPU-wide before the atomic); the last CTA folds
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int done = atomicAdd(p.counters + tile, 1) + 1 == splits;
+    if (done) __threadfence();  // acquire: the other CTAs' partials before the fold's loads
+    *last = done;
+  }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  if (!*last) {
+    PHASE_TIME(3);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < BN / 8; ++e) {
+    const float4 v = __ldcg(slots + e * 256);
+    acc.d[4 * e] = v.x; acc.d[4 * e + 1] = v.y; acc.d[4 * e + 2] = v.z; acc.d[4 * e + 3] = v.w;
+  }
+  // the later splits' fold chunks (split 0 held [0, F / S)), FL partials in flight, added in order
+  constexpr int FL = BN >= 128 ? 1 : 128 / BN;
+  for (int fa = n_folds / splits; fa < n_folds; fa += FL) {
+    float4 v[FL][BN / 8];
+#pragma unroll
+    for (int q = 0; q < FL; ++q)
+      if (fa + q < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BN / 8; ++e) v[q][e] = __ldcg(slots + ((fa + q) * (BN / 8) + e) * 256);
+      }
+#pragma unroll
+    for (int q = 0; q < FL; ++q)
+      if (fa + q < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BN / 8; ++e) {
+          acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v[q][e].x);
+          acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v[q][e].y);
+          acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v[q][e].z);
+          acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v[q][e].w);
+        }
+      }
+  }
+  wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+  if (threadIdx.x == 0) p.counters[tile] = 0;
+  PHASE_TIME(3);
+}
+
+#define WIDE_KERNEL(BN)                                                                      \
+  extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN(const Params p) {    \
+    gemm_wide<BN>(p);                                                                        \
+  }
+WIDE_KERNEL(32)
+WIDE_KERNEL(64)
+WIDE_KERNEL(128)

@@ -95,7 +95,8 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     # consumer warpgroups while there are at most two units per SM
     assert preferred(1, 8192, 8192, 132) and preferred(16, 2048, 4096, 132)
     assert not preferred(1, 8192, 8192, 132, stream=False)
-    assert not preferred(16, 1536, 2048, 132) and not preferred(17, 8192, 8192, 132, ws=False)
+    assert not preferred(16, 1536, 2048, 132)
+    assert not preferred(17, 8192, 8192, 132, ws=False, wide=False)
     assert plan(1, 8192, 8192, 132, stream=True) == ("stream", 8, 1, 1, 3, 0)
     assert plan(16, 2048, 4096, 132, stream=True) == ("stream", 16, 1, 1, 2, 0)
     assert plan(8, 8192, 8192 + 128, 132, stream=True).family == "small"  # K % 256 != 0
@@ -106,9 +107,9 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert w4a4_gemm_cuda.stream_fits(a_k, w_k) and not w4a4_gemm_cuda.stream_fits(a, w)  # K 64
     assert not w4a4_gemm_cuda.stream_fits(a_odd, w_odd)
     assert preferred(64, 8192, 8192, 132)  # wide M: 128 CTAs
-    assert not preferred(64, 4096, 4096, 132)  # 64 CTAs: Triton splits K
-    assert not preferred(64, 24576, 4096, 132)  # 384 CTAs: 1.5 waves
-    assert not preferred(32, 8192, 8192, 132)
+    assert not preferred(64, 4096, 4096, 132, wide=False)  # 64 CTAs: Triton splits K
+    assert not preferred(64, 24576, 4096, 132, wide=False)  # 384 CTAs: 1.5 waves
+    assert not preferred(32, 8192, 8192, 132, wide=False)
     assert preferred(32, 24576, 4096, 132)  # mid M: 384 CTAs
     assert preferred(65, 2048, 4096, 132)
     assert preferred(256, 8192, 8192, 132) and preferred(768, 24576, 4096, 132)
@@ -116,8 +117,42 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert not preferred(1024, 24576, 4096, 132) and not preferred(1000, 8192, 8192, 132)
     assert preferred(1024, 6144, 4096, 132) and preferred(1024, 2048, 4096, 132)
     assert (LARGE_CONFIG.block_n, LARGE_CONFIG.block_m) == w4a4_gemm_cuda.LARGE_TILE
-    assert not preferred(256, 8192, 8192, 132, ws=False)  # mid M: 512 CTAs
+    assert not preferred(256, 8192, 8192, 132, ws=False, wide=False)  # mid M: 512 CTAs
     assert not preferred(1024, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
+
+
+def test_wide_kernel_plans() -> None:
+    """The register-A wide-M kernel: which operands it reads, and its plans (batch tile and K
+    split by the time model; split K only within one wave; the default for 16 < M <= 256 where
+    it models faster than the warp-specialized kernel, up to M = 32 only within one wave)."""
+    pytest.importorskip("triton")
+    from minite_kernels import w4a4_gemm_cuda
+
+    from minite_common import quantize_nvfp4
+
+    a, w = quantize_nvfp4(torch.randn(2, 512)), quantize_nvfp4(torch.randn(64, 512))
+    a_odd, w_odd = quantize_nvfp4(torch.randn(2, 2064)), quantize_nvfp4(torch.randn(64, 2064))
+    assert w4a4_gemm_cuda.wide_fits(a, w) and not w4a4_gemm_cuda.wide_fits(a_odd, w_odd)
+    plan, wide_plan, us = w4a4_gemm_cuda.plan, w4a4_gemm_cuda.wide_plan, w4a4_gemm_cuda.wide_us
+    assert plan(64, 8192, 8192, 132, wide=True) == ("wide", 64, 8, 2, 2, 1)
+    assert plan(256, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
+    assert plan(32, 2048, 4096, 132, wide=True) == ("wide", 32, 1, 8, 2, 1)
+    assert plan(256, 4096, 4096, 132, wide=True).block_m == 64  # 128-row tiles: 64 CTAs
+    assert plan(32, 24576, 4096, 132, wide=True).family == "mid"  # 192 tiles: 1.5 waves
+    assert plan(64, 5120, 2048, 132, wide=True).family == "ws"  # 80 64-row tiles, short K
+    assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
+    assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
+    assert plan(300, 8192, 8192, 132, wide=True).family == "ws"  # past MAX_M
+    for m, n, k in ((17, 8192, 8192), (64, 2048, 4096), (200, 6144, 4096), (256, 4096, 12288)):
+        how = wide_plan(m, n, k, 132)
+        tiles = -(-m // how.block_m) * -(-n // w4a4_gemm_cuda.WIDE_ROWS)
+        assert how.splits == 1 or tiles * how.splits <= 132  # one wave
+        modelled = us(m, n, k, 132, how.block_m, how.splits)
+        assert all(modelled <= us(m, n, k, 132, how.block_m, s) for s in range(1, 3))
+    assert wide_plan(64, 8192, 8192, 132, 32, 3) == ("wide", 32, 6, 3, 2, 1)
+    assert wide_plan(64, 8192, 8192, 132, 48, 1) is None  # no such tile
+    assert wide_plan(64, 8192, 8192, 132, 64, 17) is None  # more splits than fold chunks
+    assert wide_plan(64, 8192, 8192 + 64, 132) is None  # K % 128 != 0
 
 
 # ---- worker side (runs under TRITON_INTERPRET=1) ----

@@ -432,6 +432,45 @@ def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
+    """The register-A wide-M kernel (two consumer warpgroups decoding 128 weight rows' staged
+    codes into wgmma fragments, K split over fold chunks with the partials folded in order by
+    each tile's last CTA) gives the Triton decode GEMM's bits: batch tiles of 32, 64 and 128,
+    one to every fold chunk per split (uneven splits, a last fold chunk of 256 elements), N not
+    a multiple of 128, M across tiles, bias, heavy tails, per-tensor activation scales; its tile
+    counters are left at zero; the default dispatch sends 16 < M <= 256 to it; a CUDA graph
+    replays it on new inputs."""
+    from minite_kernels import w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    device = torch.device("cuda")
+    assert w4a4_gemm_cuda.available(device), w4a4_gemm_cuda._broken(0)
+    for n, k in ((2048, 4096), (4096, 2304), (1000, 768), (200, 512), (192, 1280)):
+        w = quantize_nvfp4(_make("heavy", n, k, n).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
+        folds = -(-k // 512)
+        for m in (17, 32, 33, 64, 100, 129, 256):
+            for kind, amax in (("heavy", "row"), ("blocks", "tensor")):
+                a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
+                assert w4a4_gemm_cuda.wide_fits(a, w)
+                want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
+                for block_m in (32, 64, 128):
+                    for splits in sorted({1, 2, 3, folds} & set(range(1, folds + 1))):
+                        got = torch.full_like(want, float("nan"))
+                        how = w4a4_gemm_cuda.wide_plan(m, n, k, 132, block_m, splits)
+                        w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
+                        where = (n, k, m, kind, block_m, splits)
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
+    assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+    assert w4a4_gemm_cuda.plan(64, 2048, 4096, 132, stream=True, wide=True).family == "wide"
+    w = quantize_nvfp4(_make("normal", 2048, 4096, 5).cuda(), amax="tensor", block_2d=True)
+    _assert_graph_replays_same_bits(w, (20, 64, 200), out_dtype)
+    assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+
+
 def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
     """nvfp4_gemm_partials of K shards starting on multiples of 512, concatenated and folded by
     fold_partials, equal the unsharded GEMM bitwise (BF16 and float32 out, bias, every M path)."""
