@@ -1,13 +1,15 @@
 """The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small, mid and wide M: small and
-mid M decode the weight straight into wgmma's register operand (small M, streamed: a persistent
-grid over (64 weight rows, 512-element fold chunk) units, a producer warpgroup filling a ring
-with the weight and the decoded activation slice, consumer warpgroups running the chains, the
-partials folded in order by the tile's last warpgroup; small M, clustered: the activation decoded
-from its codes into shared memory, split K over a thread-block cluster whose first CTA folds the
-partials from distributed shared memory; mid M: the activation decoded once by a first launch and
-streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
-shared memory and bulk-copy the decoded activation, consumer warpgroups run wgmma with both
-operands in shared memory). It computes the same bits as the Triton decode GEMM (contract v2 K
+mid M decode the weight straight into wgmma's register operand (small M, streamed: a persistent grid
+over (64 weight rows, 512-element fold chunk) units, a producer warpgroup filling a ring with the
+weight and the decoded activation slice, consumer warpgroups running the chains, the partials folded
+in order by the tile's last warpgroup; small M, clustered: the activation decoded from its codes
+into shared memory, split K over a thread-block cluster whose first CTA folds the partials from
+distributed shared memory; mid M: the activation decoded once by a first launch and streamed through
+a ring); wide M is warp-specialized (producer warpgroups decode the weight into shared memory and
+bulk-copy the decoded activation, consumer warpgroups run wgmma with both operands in shared memory)
+or, the default at 16 < M <= 256, register-A (a producer warpgroup stages 128 weight rows' codes and
+the decoded activation, two consumer warpgroups decode the codes into wgmma fragments; K split over
+fold chunks by a time model). It computes the same bits as the Triton decode GEMM (contract v2 K
 order; tests pin this). By default it serves the shapes where it measured faster than the Triton
 kernel on the H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it
 supports, ``0`` turns it off; without NVRTC or nvcc the Triton kernel serves everything."""

@@ -1,5 +1,6 @@
 // W4A4 GEMM for M <= 256 on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC): small M (this
-// section), mid M and wide M (warp-specialized; sections below).
+// section), mid M, wide M (warp-specialized), small M streamed and wide M with register A
+// (sections below).
 //
 // Same numbers as the Triton decode GEMM (kernels/w4a4_gemm.py, contract v2): Y^T = W @ A^T with
 // the weight decoded in registers straight into wgmma's A fragments (m64nBMk16, BF16, FP32
