@@ -247,42 +247,60 @@ __device__ __forceinline__ void decode_raw(const Raw& r, u32 (&a)[8][4]) {
 
 __device__ __forceinline__ float bits_f32(u32 v) { return __int_as_float((int)v); }
 
+// The epilogue's factors for one thread's outputs (weight rows n_base + g and n_base + g + 8,
+// batch rows m0 + 8 j + 2 t + {0, 1}; clamped), loaded before any store: loads after a store
+// of the output could not be moved above it by the compiler, and each would wait for memory.
+template <int BM>
+struct OutScales {
+  float wa, wb, ba, bb, ad[BM / 4];
+  __device__ __forceinline__ OutScales(const Params& p, int n_base, int m0, int g, int t) {
+    const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
+    wa = p.w_dec[(long long)na * p.w_dec_stride];
+    wb = p.w_dec[(long long)nb * p.w_dec_stride];
+    ba = p.bias ? p.bias[na] : 0.f;
+    bb = p.bias ? p.bias[nb] : 0.f;
+#pragma unroll
+    for (int h = 0; h < BM / 4; ++h)
+      ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
+  }
+  // Accumulator element i as an output: * 2^14, * the activation and weight decode scales, + bias.
+  __device__ __forceinline__ float apply(const Params& p, float d, int i) const {
+    const int j = i / 4, e = i % 4;
+    float v = __fmul_rn(d, 16384.0f);
+    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
+    v = __fmul_rn(v, (e & 2) ? wb : wa);
+    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
+    return v;
+  }
+};
+
+// v in the 16-bit output type (out_kind 0: BF16, 1: FP16), round to nearest even.
+__device__ __forceinline__ unsigned short out16(const Params& p, float v) {
+  unsigned short h;
+  if (p.out_kind == 0)
+    asm("{\n.reg .b32 x;\ncvt.rn.bf16x2.f32 x, %1, %1;\nmov.b32 {%0, _}, x;\n}\n" : "=h"(h) : "f"(v));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+
 template <int BM>
 __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, int n_base, int m0,
                                           int g, int t) {
-  // the decode scales and the bias loaded first (clamped rows): inside the loop the compiler
-  // could not move them above the previous output's store, and each would wait for memory
-  const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
-  const float wa = p.w_dec[(long long)na * p.w_dec_stride];
-  const float wb = p.w_dec[(long long)nb * p.w_dec_stride];
-  const float ba = p.bias ? p.bias[na] : 0.f, bb = p.bias ? p.bias[nb] : 0.f;
-  float ad[BM / 4];
-#pragma unroll
-  for (int h = 0; h < BM / 4; ++h)
-    ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
+  const OutScales<BM> sc(p, n_base, m0, g, t);
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) {
     const int j = i / 4, e = i % 4;
     const int n = n_base + g + ((e & 2) ? 8 : 0);
     const int m = m0 + 8 * j + 2 * t + (e & 1);
     if (n >= p.N || m >= p.M) continue;
-    float v = __fmul_rn(acc.d[i], 16384.0f);
-    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
-    v = __fmul_rn(v, (e & 2) ? wb : wa);
-    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
+    const float v = sc.apply(p, acc.d[i], i);
     char* out = (char*)p.y;
     const long long off = (long long)m * p.stride_ym + (long long)n * p.stride_yn;
-    if (p.out_kind == 2) {
+    if (p.out_kind == 2)
       ((float*)out)[off] = v;
-    } else {
-      unsigned short h;
-      if (p.out_kind == 0)
-        asm("{\n.reg .b32 x;\ncvt.rn.bf16x2.f32 x, %1, %1;\nmov.b32 {%0, _}, x;\n}\n"
-            : "=h"(h) : "f"(v));
-      else
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-      ((unsigned short*)out)[off] = h;
-    }
+    else
+      ((unsigned short*)out)[off] = out16(p, v);
   }
 }
 
@@ -1385,36 +1403,19 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
     return;
   }
   const int pitch = 128 * esize + 16;  // bytes per tile row (padded: conflict-free writes)
-  const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
-  const float wa = p.w_dec[(long long)na * p.w_dec_stride];
-  const float wb = p.w_dec[(long long)nb * p.w_dec_stride];
-  const float ba = p.bias ? p.bias[na] : 0.f, bb = p.bias ? p.bias[nb] : 0.f;
-  float ad[BN / 4];
-#pragma unroll
-  for (int h = 0; h < BN / 4; ++h)
-    ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
+  const OutScales<BN> sc(p, n_base, m0, g, t);
   asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups are past the ring
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
     const int j = i / 4, e = i % 4;
     const int c = 64 * wg + 16 * warp + g + ((e & 2) ? 8 : 0);
     const int r = 8 * j + 2 * t + (e & 1);
-    float v = __fmul_rn(acc.d[i], 16384.0f);
-    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
-    v = __fmul_rn(v, (e & 2) ? wb : wa);
-    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
+    const float v = sc.apply(p, acc.d[i], i);
     unsigned char* dst = smem + r * pitch + c * esize;
-    if (p.out_kind == 2) {
+    if (p.out_kind == 2)
       *(float*)dst = v;
-    } else {
-      unsigned short h;
-      if (p.out_kind == 0)
-        asm("{\n.reg .b32 x;\ncvt.rn.bf16x2.f32 x, %1, %1;\nmov.b32 {%0, _}, x;\n}\n"
-            : "=h"(h) : "f"(v));
-      else
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-      *(unsigned short*)dst = h;
-    }
+    else
+      *(unsigned short*)dst = out16(p, v);
   }
   asm volatile("bar.sync 1, 256;" ::: "memory");
   const int per_row = 128 * esize / 16, per_seg = 16 / esize;  // 16-byte segments of a row
