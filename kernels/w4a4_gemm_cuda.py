@@ -369,9 +369,11 @@ def wide_plan(
     return Plan("wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
 
 
+@functools.cache
 def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The wide kernel's plan where it is the default (16 < M <= 256, see
-    :func:`_wide_wanted`), else None."""
+    :func:`_wide_wanted`), else None (cached: the dispatch asks per call, the model loops over
+    tiles and split counts)."""
     if not SMALL_MAX_M < m <= MAX_M or k % CHUNK:
         return None
     how = wide_plan(m, n, k, sms)
@@ -489,10 +491,10 @@ def plan(
         how = _wide_default(m, n, k, sms)
         if how is not None:
             return how
-    wide = splits is None and warpgroups is None and ws and k % 32 == 0
+    ws_ok = splits is None and warpgroups is None and ws and k % 32 == 0
     if m > MAX_M:
-        return _ws_plan(m, n, sms) if wide and _ws_wide_serves(m, k) else None
-    if m > SMALL_MAX_M and wide and _ws_wanted(m, n, sms):
+        return _ws_plan(m, n, sms) if ws_ok and _ws_wide_serves(m, k) else None
+    if m > SMALL_MAX_M and ws_ok and _ws_wanted(m, n, sms):
         return _ws_plan(m, n, sms)
     if m > SMALL_MAX_M:  # mid M: never split (it measured slower at every shape)
         bm = next((b for b in _MID_BLOCK_MS if m <= b), _MID_BLOCK_MS[-1])
@@ -528,13 +530,14 @@ def gemm(
     """``y = a @ w.T`` with the contract's epilogue (``y`` preallocated [M, N]). ``phase_times``
     (int64 [CTAs, 4], diagnostics): a build that records on the GPU's global timer each CTA's
     start, staged activation, main-loop end and finish (clustered small-M kernel), or its first
-    consumer warpgroup's start, first stage ready, last unit done and finish (streamed kernel).
+    consumer warpgroup's start, first stage ready, last unit (chunk) done and finish (streamed and
+    register-A wide-M kernels).
     ``splits`` / ``warpgroups`` force the cluster size / the warpgroups per CTA, ``how`` the whole
     plan (probes, tests; same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
-    fits, streamed = ws_fits(w), stream_fits(a, w)
-    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide_fits(a, w))
+    fits, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
+    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide)
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
@@ -547,7 +550,7 @@ def gemm(
             f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
             "K % 256 == 0 and 16-byte aligned codes and scales"
         )
-    if how.family == "wide" and not wide_fits(a, w):
+    if how.family == "wide" and not wide:
         raise ValueError(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
             "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
@@ -556,14 +559,14 @@ def gemm(
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
-    n_tiles, m_tiles = triton.cdiv(n, ROWS), triton.cdiv(m, how.block_m)
+    rows = WIDE_ROWS if how.family == "wide" else ROWS  # weight rows per CTA
+    n_tiles, m_tiles = triton.cdiv(n, rows), triton.cdiv(m, how.block_m)
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = partials = counters = None
     if how.family == "wide" and how.splits > 1:  # per (tile, fold chunk): 256 threads x BM / 2
-        tiles = m_tiles * triton.cdiv(n, WIDE_ROWS)
-        size = tiles * triton.cdiv(k, FOLD) * 128 * how.block_m
+        size = m_tiles * n_tiles * triton.cdiv(k, FOLD) * 128 * how.block_m
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
     if how.family == "stream":
@@ -596,8 +599,6 @@ def gemm(
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         z = how.splits if how.family == "wide" else 1
-        if how.family == "wide":
-            n_tiles = triton.cdiv(n, WIDE_ROWS)
         threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
