@@ -90,10 +90,11 @@ WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
-#: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M)): per
+#: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M); the
+#: per-chunk costs of 64 and 128 refitted to 27 points after two chains in flight): per
 #: 128-element chunk of a CTA, per batch tile (us); the epilogue; with split K a fold overhead
 #: and a cost per MB of partials written and read back.
-_WIDE_CHUNK_US = {32: 0.57, 64: 0.66, 128: 0.95}
+_WIDE_CHUNK_US = {32: 0.57, 64: 0.62, 128: 0.82}
 _WIDE_EPILOGUE_US = {32: 3.0, 64: 4.0, 128: 6.0}
 _WIDE_FOLD_US, _WIDE_PARTIAL_US_PER_MB = 3.0, 0.4
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.

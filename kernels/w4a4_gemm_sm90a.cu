@@ -1262,9 +1262,9 @@ STREAM_KERNEL(16, 3)
 // (16-byte cp.async, four threads per row: coalesced; rows 96 bytes apart, conflict-free for the
 // consumers' 8-byte reads) and the chunk's block of the decoded activation image (one bulk copy).
 // Two consumer warpgroups, 64 weight rows each, decode their rows' codes from the stage into
-// register A fragments (chunk j + 1 while chunk j's chain runs) and run m64 nBN k16 chains against
-// the shared activation block: the activation's shared-memory bytes are read once per 128 rows,
-// and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0 keeps its
+// register A fragments (chunk j + 1 while chains j - 1 and j run) and run m64 nBN k16 chains
+// against the shared activation block: the activation's shared-memory bytes are read once per
+// 128 rows, and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0 keeps its
 // fold-chunk prefix, the others each fold chunk's partial, in a global workspace; the tile's
 // last CTA folds them in chunk order (the tile counter as in the streamed kernel).
 
@@ -1350,9 +1350,10 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
   }
 }
 
-// Consumer step of chunk j (fragments in a[P]): its chain, chunk j + 1 decoded into a[P ^ 1]
-// meanwhile, the stage released, and at a fold chunk's end the fold (split 0: the prefix in
-// `acc`) or the partial's store.
+// Consumer step of chunk j (fragments in a[P]), two chains in flight: chain j is issued while
+// chain j - 1 may still run (unless j - 1 ended a fold chunk), then chain j - 1 is awaited (its
+// stage released) and chunk j + 1 decoded into its fragments a[P ^ 1]; at a fold chunk's end
+// chain j is awaited and folded (split 0: the prefix in `acc`) or its partial stored.
 template <int BN, int P>
 __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* smem, u32 base,
                                           u32 bars, int j, int j0, int j1, int r0, int t,
@@ -1362,6 +1363,10 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
   const int i = j - j0, s = i % S::STAGES;
   const u64 desc = smem_desc(base + s * S::STAGE + S::W_BYTES, LBO_BYTES, SBO_BYTES);
   issue_chunk<BN>(part, a[P], desc, j % FOLD_CHUNKS == 0);
+  if (j % FOLD_CHUNKS != 0) {  // chain j - 1 in flight: await it, release its stage
+    wgmma_wait<1>();
+    mbar_arrive(bars + 8 * (S::STAGES + (i - 1) % S::STAGES));
+  }
   if (j + 1 < j1) {
     const int s1 = (i + 1) % S::STAGES;
     mbar_wait(bars + 8 * s1, ((i + 1) / S::STAGES) & 1);
@@ -1369,10 +1374,10 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
     wide_raw(smem + s1 * S::STAGE, r0, t, raw);
     decode_raw(raw, a[P ^ 1]);
   }
+  if ((j + 1) % FOLD_CHUNKS != 0 && j + 1 != j1) return;
   wgmma_wait<0>();
   fence_acc(part);
   mbar_arrive(bars + 8 * (S::STAGES + s));  // the chain and the code reads of stage s are done
-  if ((j + 1) % FOLD_CHUNKS != 0 && j + 1 != j1) return;
   if (j0 == 0) {  // split 0: the prefix from fold chunk 0 on
 #pragma unroll
     for (int e = 0; e < BN / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], part.d[e]);
@@ -1485,10 +1490,13 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
     wide_raw(smem, r0, t, raw);
     decode_raw(raw, a[0]);
   }
-  for (int j = j0; j < j1; j += 2) {
+  // one fold chunk per iteration (j0 is a fold chunk's first): its last chain is awaited at its
+  // end, so none is in flight across the loop's back edge (the compiler would wait there)
+  for (int j = j0; j < j1; j += FOLD_CHUNKS) {
     wide_step<BN, 0>(p, smem, base, bars, j, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 1 < j1)
-      wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 1 < j1) wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 2 < j1) wide_step<BN, 0>(p, smem, base, bars, j + 2, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 3 < j1) wide_step<BN, 1>(p, smem, base, bars, j + 3, j0, j1, r0, t, a, part, acc, slots);
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
