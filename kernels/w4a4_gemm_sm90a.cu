@@ -1264,9 +1264,9 @@ STREAM_KERNEL(16, 3)
 // Two consumer warpgroups, 64 weight rows each, decode their rows' codes from the stage into
 // register A fragments (chunk j + 1 while chains j - 1 and j run) and run m64 nBN k16 chains
 // against the shared activation block: the activation's shared-memory bytes are read once per
-// 128 rows, and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0 keeps its
-// fold-chunk prefix, the others each fold chunk's partial, in a global workspace; the tile's
-// last CTA folds them in chunk order (the tile counter as in the streamed kernel).
+// 128 rows, and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0
+// keeps its fold-chunk prefix, the others each fold chunk's partial, in a global workspace; the
+// tile's last CTA folds them in chunk order (the tile counter as in the streamed kernel).
 
 #define WR_ROWS 128   // weight rows per CTA (two consumer warpgroups)
 #define WR_STRIDE 96  // bytes per weight row of a stage: 64 of codes, 8 of scales, padding
@@ -1490,13 +1490,18 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
     wide_raw(smem, r0, t, raw);
     decode_raw(raw, a[0]);
   }
-  // one fold chunk per iteration (j0 is a fold chunk's first): its last chain is awaited at its
-  // end, so none is in flight across the loop's back edge (the compiler would wait there)
+  // one fold chunk per iteration (j0 is a fold chunk's first; fragment buffers alternate): its
+  // last chain is awaited at its end, so none is in flight across the loop's back edge (the
+  // compiler would wait there)
+  static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
   for (int j = j0; j < j1; j += FOLD_CHUNKS) {
     wide_step<BN, 0>(p, smem, base, bars, j, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 1 < j1) wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 2 < j1) wide_step<BN, 0>(p, smem, base, bars, j + 2, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 3 < j1) wide_step<BN, 1>(p, smem, base, bars, j + 3, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 1 < j1)
+      wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 2 < j1)
+      wide_step<BN, 0>(p, smem, base, bars, j + 2, j0, j1, r0, t, a, part, acc, slots);
+    if (j + 3 < j1)
+      wide_step<BN, 1>(p, smem, base, bars, j + 3, j0, j1, r0, t, a, part, acc, slots);
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
