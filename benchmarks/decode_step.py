@@ -9,7 +9,8 @@ Two layer shapes, each at every batch size (tokens in the decode step):
 - Qwen3-8B-shaped dense layer: qkv 4096->6144, o 4096->4096, gate/up 4096->2x12288, down
   12288->4096.
 miniTE runs the public ``w4a4_linear`` / ``grouped_w4a4_linear`` from BF16 activations (the
-activation quantization included), as the vLLM plugin calls them; BF16 runs cuBLAS matmuls and
+activation quantization included) on weights with their kernel layout (``with_kernel_layout``), as
+the vLLM plugin holds and calls them; BF16 runs cuBLAS matmuls and
 ``torch._grouped_mm``. Both run the same glue (routing, permutation, SwiGLU, combine), so the
 time difference is the linears'. Each timed graph replays ``LAYERS`` layers with distinct weights
 (a layer's weights never sit in L2 when it runs); times are per layer, medians of replays.
@@ -28,7 +29,13 @@ import torch
 import triton
 import triton.testing
 
-from minite_common import expert_counts, grouped_w4a4_linear, quantize_weight, w4a4_linear
+from minite_common import (
+    expert_counts,
+    grouped_w4a4_linear,
+    quantize_weight,
+    w4a4_linear,
+    with_kernel_layout,
+)
 from minite_common.grouped import expert_swiglu
 
 LAYERS = 4
@@ -54,8 +61,8 @@ class MoELayer:
             "down": _rand(EXPERTS, h, f, g=g),
         }
         self.q = {
-            "qkv": quantize_weight(self.w["qkv"]),
-            "o": quantize_weight(self.w["o"]),
+            "qkv": with_kernel_layout(quantize_weight(self.w["qkv"])),
+            "o": with_kernel_layout(quantize_weight(self.w["o"])),
             "gate_up": quantize_weight(self.w["gate_up"].reshape(-1, h)),
             "down": quantize_weight(self.w["down"].reshape(-1, f)),
         }
@@ -105,7 +112,7 @@ class DenseLayer:
             "gate_up": _rand(2 * self.ffn, h, g=g),
             "down": _rand(h, self.ffn, g=g),
         }
-        self.q = {name: quantize_weight(w) for name, w in self.w.items()}
+        self.q = {name: with_kernel_layout(quantize_weight(w)) for name, w in self.w.items()}
 
     def step(self, x: torch.Tensor, attn_out: torch.Tensor, minite: bool) -> torch.Tensor:
         def lin(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ from minite_common import (
     grouped_w4a4_linear,
     quantize_nvfp4,
     w4a4_linear,
+    with_kernel_layout,
 )
 
 ROTATE = 4
@@ -81,7 +82,8 @@ class Shape:
         self.x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(ROTATE)]
         self.w_bf16 = ws
-        self.w_q = [quantize_nvfp4(w, amax="tensor", block_2d=True) for w in ws]
+        # as the vLLM plugin holds them: with their kernel layout where a kernel reads one
+        self.w_q = [with_kernel_layout(quantize_nvfp4(w, amax="tensor", block_2d=True)) for w in ws]
         self.a_q = quantize_nvfp4(self.x, amax="row")
         fp8 = torch.float8_e4m3fn
         self.x_fp8_scale = self.x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import BACKEND_ENV, kernel_arch
+from .dispatch import BACKEND_ENV, kernel_arch, kernel_layout_enabled
 
 __all__ = [
     "BACKEND_ENV",
@@ -19,6 +19,7 @@ __all__ = [
     "gemm_path",
     "grouped_nvfp4_gemm",
     "kernel_arch",
+    "kernel_layout",
     "nvfp4_gemm",
     "nvfp4_gemm_partials",
     "quantize_grad_operands",
@@ -45,6 +46,17 @@ def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torc
     from .w4a4_gemm import nvfp4_gemm_sm90
 
     return nvfp4_gemm_sm90(a, w, bias, out_dtype)
+
+
+def kernel_layout(w):
+    """A kernel-friendly copy of NVFP4 weight ``w``'s codes and scales where a GPU kernel reads one
+    (Hopper: the streamed small-M GEMM's :class:`~.w4a4_gemm_cuda.UnitLayout`, for the weights it
+    serves), else None; None too with ``MINITE_KERNEL_LAYOUT=0``. Same numbers either way."""
+    if kernel_arch(w.codes.device) != "sm90" or not kernel_layout_enabled():
+        return None
+    from .w4a4_gemm_cuda import layout_for
+
+    return layout_for(w)
 
 
 def nvfp4_gemm_partials(a, w) -> torch.Tensor:

@@ -81,6 +81,8 @@ _STREAM_WARPGROUPS = (2, 3)
 #: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
 STREAM_MIN_WEIGHT = 1 << 23
 _STREAM_RING_BYTES = 200704
+#: Bytes of one unit in the streamed kernel's unit layout (:func:`unit_layout`).
+UNIT_BYTES = 18432
 #: Wide-M kernels with register A (``WIDE_KERNEL`` in the CUDA source): batch rows per CTA; 128
 #: weight rows per CTA (two consumer warpgroups), a stage per 128-element chunk (the rows' codes
 #: and scales, WIDE_ROW_BYTES each, and the activation image's block), as many as fit the ring
@@ -146,11 +148,12 @@ class Plan(NamedTuple):
     warpgroups: int = 1
     producers: int = 0
 
-    def kernel_name(self, even_k: bool) -> str:
+    def kernel_name(self, even_k: bool, units: bool = False) -> str:
         """The CUDA kernel's name (``even_k``: K % 128 == 0; the streamed kernel has one
-        variant, its K is a multiple of 256)."""
+        variant per weight layout, ``units``: :func:`unit_layout`; its K is a multiple of 256)."""
         if self.family == "stream":
-            return f"w4a4_stream_m{self.block_m}_w{self.warpgroups}"
+            layout = "unit_" if units else ""
+            return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family == "wide":
             return f"w4a4_wide_n{self.block_m}"
         if self.family == "small":
@@ -171,6 +174,8 @@ class Plan(NamedTuple):
         if self.family == "small":
             return self.per_split * self.block_m * 1024
         if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
+            # (the canonical layout's stage pads rows of codes to 288 bytes; the unit layout's is
+            # 2 KB smaller, as many stages fit)
             stage = ROWS * (288 + 32) + self.block_m * 1024
             return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
         if self.family == "wide":  # stages (weight codes, activation chunk), barriers, a flag
@@ -195,9 +200,10 @@ def _kernel_names() -> list[str]:
     mid = [Plan("mid", b, 1, 1, w) for b in _MID_BLOCK_MS for w in (1, 2)]
     gemms = [p.kernel_name(e) for p in small + mid + list(WS_PLANS) for e in (False, True)]
     gemms += [
-        Plan("stream", b, 1, 1, w).kernel_name(True)
+        Plan("stream", b, 1, 1, w).kernel_name(True, units)
         for b in _STREAM_BLOCK_MS
         for w in _STREAM_WARPGROUPS
+        for units in (False, True)
     ]
     gemms += [Plan("wide", b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS]
     return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS + _WS_BLOCK_MS]
@@ -301,13 +307,19 @@ def stream_fits(a, w) -> bool:
     """Whether the streamed small-M kernel can read these operands: 16-byte copies of whole
     256-element K slices (K % 256 == 0; codes and scales 16-byte aligned, rows too) and a
     tile counter per 64 weight rows."""
+    return _stream_weight_fits(w) and all(_rows_16b(t) for t in (a.codes, a.scales))
+
+
+def _rows_16b(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1
+
+
+def _stream_weight_fits(w) -> bool:
     return (
         w.cols % 256 == 0
         and triton.cdiv(w.rows, ROWS) <= MAX_SPLIT_TILES
-        and all(
-            t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1
-            for t in (a.codes, w.codes, a.scales, w.scales)
-        )
+        and _rows_16b(w.codes)
+        and _rows_16b(w.scales)
     )
 
 
@@ -414,6 +426,111 @@ def _stream_wanted(m: int, n: int, k: int) -> bool:
 def stream_units(n: int, k: int) -> int:
     """Units of a streamed launch: 64 weight rows x one 512-element fold chunk each."""
     return triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
+
+
+def unit_layout(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The streamed kernel's weight layout (lossless, made once per weight): codes uint8 [N, K/2]
+    and scales (1 byte) [N, K/16] of an NVFP4 weight with K % 256 == 0 as uint8 [units x
+    UNIT_BYTES], one 18 KB unit per (64 rows, 512-element fold chunk), tile-major (the streamed
+    launch's unit order), rows past N and K zero. A unit holds the codes of its four 128-element
+    chunks, then their scales, each in the order the consumer threads read them: per chunk c and
+    warp w (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4), two 512-byte blocks of
+    16 bytes per lane (code words 2t, 2t + 1 of both rows, then words 2t + 8, 2t + 9), and at
+    16384 + (4 c + w) * 128 four scale bytes per lane (blocks t of both rows, then blocks t + 4).
+
+    ``out``: a layout of this shape to rewrite in place (it allocates only a 64-row tile, for a
+    last tile past N, so a refresh after a weight update cannot run out of memory half-way)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if k % 256 or tuple(scales.shape) != (n, k // 16):
+        raise ValueError(f"unit_layout: needs K % 256 == 0 and scales [N, K/16]; got N={n} K={k}")
+    tiles, folds = triton.cdiv(n, ROWS), triton.cdiv(k, FOLD)
+    if out is None:
+        out = torch.zeros(tiles * folds * UNIT_BYTES, dtype=torch.uint8, device=codes.device)
+    units = out.view(tiles, folds, UNIT_BYTES)
+    codes, scales = codes.contiguous(), scales.contiguous().view(torch.uint8)
+    full = n // ROWS
+    _fill_units(units[:full], codes[: full * ROWS], scales[: full * ROWS])
+    if full < tiles:  # the last tile, zero-padded to 64 rows
+        rest = n - full * ROWS
+        pad_codes = codes.new_zeros(ROWS, k // 2)
+        pad_scales = scales.new_zeros(ROWS, k // 16)
+        pad_codes[:rest], pad_scales[:rest] = codes[full * ROWS :], scales[full * ROWS :]
+        _fill_units(units[full:], pad_codes, pad_scales)
+    return out
+
+
+def _fill_units(units: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write whole tiles (codes / scales of 64 x T rows) into ``units`` [T, folds, UNIT_BYTES] by
+    strided copies: the whole fold chunks, then a last half one (K % 512 == 256)."""
+    tiles, k = units.shape[0], codes.shape[1] * 2
+    words = codes.view(torch.int32)  # [64 T, K / 8]
+    dst_words = units[:, :, :16384].view(torch.int32)
+    dst_scales = units[:, :, 16384:]
+    whole = k // FOLD
+    for f0, nf, nch in ((0, whole, 4), (whole, 1, (k % FOLD) // CHUNK)):
+        if nf == 0 or nch == 0:
+            continue
+        src = words[:, f0 * 64 : f0 * 64 + nf * nch * 16]
+        # rows (tile, warp, row half, g), words (fold, chunk, half, t, word of pair) ->
+        # (tile, fold, chunk, warp, half, g, t, row half, word of pair)
+        src = src.view(tiles, 4, 2, 8, nf, nch, 2, 4, 2).permute(0, 4, 5, 1, 6, 3, 7, 2, 8)
+        dst_words[:, f0 : f0 + nf, : nch * 1024].view(tiles, nf, nch, 4, 2, 8, 4, 2, 2).copy_(src)
+        src = scales[:, f0 * 32 : f0 * 32 + nf * nch * 8]
+        # rows (tile, warp, row half, g), blocks (fold, chunk, block half, t) ->
+        # (tile, fold, chunk, warp, g, t, block half, row half)
+        src = src.view(tiles, 4, 2, 8, nf, nch, 2, 4).permute(0, 4, 5, 1, 3, 7, 6, 2)
+        dst_scales[:, f0 : f0 + nf, : nch * 512].view(tiles, nf, nch, 4, 8, 4, 2, 2).copy_(src)
+
+
+def _operand_key(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.device) for t in (codes, scales))
+
+
+class UnitLayout:
+    """A weight's :func:`unit_layout` and the operands it was made from. ``units`` keeps its
+    storage for the layout's life (CUDA graphs capture its address): :meth:`refresh` rewrites it in
+    place after the codes or scales changed in place."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.units = unit_layout(codes, scales)
+        self._key = _operand_key(codes, scales)
+        self._versions = (codes._version, scales._version)
+
+    def refresh(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Rewrite the layout from ``codes`` and ``scales`` (the tensors it was made from)."""
+        if _operand_key(codes, scales) != self._key:
+            raise ValueError(
+                "kernel layout refresh: these are not the codes and scales the layout was made "
+                "from (other storage, shape or strides); make a new layout for a new weight"
+            )
+        unit_layout(codes, scales, out=self.units)
+        self._versions = (codes._version, scales._version)
+
+    def units_for(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+        """The layout of these operands: None if they are other tensors (e.g. a row slice of the
+        weight), rewritten first if they changed in place since (eager calls; a CUDA graph replay
+        reads what the last refresh wrote)."""
+        if _operand_key(codes, scales) != self._key:
+            return None
+        if (codes._version, scales._version) != self._versions:
+            self.refresh(codes, scales)
+        return self.units
+
+
+def layout_for(w) -> UnitLayout | None:
+    """``w``'s :class:`UnitLayout` where the streamed kernel is its default at small M (the CUDA
+    kernels on and loaded, a shape of at least ``STREAM_MIN_WEIGHT`` elements, operands it can
+    read), else None."""
+    if (
+        cuda_jit.mode() == "off"
+        or w.rows * w.cols < STREAM_MIN_WEIGHT
+        or not _stream_weight_fits(w)
+        or not available(w.codes.device)
+    ):
+        return None
+    return UnitLayout(w.codes, w.scales)
 
 
 def stream_grid(n: int, k: int, sms: int, how: Plan) -> int:
@@ -534,7 +651,9 @@ def gemm(
     consumer warpgroup's start, first stage ready, last unit (chunk) done and finish (streamed and
     register-A wide-M kernels).
     ``splits`` / ``warpgroups`` force the cluster size / the warpgroups per CTA, ``how`` the whole
-    plan (probes, tests; same bits)."""
+    plan (probes, tests; same bits). The streamed kernel reads ``w.kernel_layout`` (a
+    :class:`UnitLayout` of ``w``'s codes and scales) where there is one, else the canonical
+    codes and scales (same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     device = a.codes.device
     fits, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
@@ -556,6 +675,9 @@ def gemm(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
             "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
         )
+    layout = getattr(w, "kernel_layout", None) if how.family == "stream" else None
+    w_units = layout.units_for(w.codes, w.scales) if isinstance(layout, UnitLayout) else None
+    units = w_units is not None
     ww, aw = code_words(w.codes), code_words(a.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
@@ -578,8 +700,9 @@ def gemm(
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
-        ww.data_ptr(), w.scales.data_ptr(), wdec.data_ptr(), aw.data_ptr(), a.scales.data_ptr(),
-        adec.data_ptr(), bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
+        (w_units if units else ww).data_ptr(), w.scales.data_ptr(), wdec.data_ptr(),
+        aw.data_ptr(), a.scales.data_ptr(), adec.data_ptr(),
+        bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
         phase_times.data_ptr() if phase_times is not None else None,
         ww.stride(0), w.scales.stride(0), aw.stride(0), a.scales.stride(0), y.stride(0),
         y.stride(1), wdec.stride(0) if w.decode_scale.dim() else 0,
@@ -604,7 +727,7 @@ def gemm(
         decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
         decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
         grid = (m_tiles, n_tiles, z)
-    kernel = kernels[how.kernel_name(k % CHUNK == 0)]
+    kernel = kernels[how.kernel_name(k % CHUNK == 0, units)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

@@ -989,10 +989,12 @@ extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m256(const Par
 #define LBO_BYTES 128  // B core matrices: along K (LBO) and along the rows (SBO)
 #define SBO_BYTES 256
 
-template <int BM>
+template <int BM, bool UNIT = false>
 struct StreamShape {
-  static constexpr int W_STRIDE = 288;  // 256 bytes of codes per row and fold chunk, padded
-  static constexpr int W_CODES = ROWS * W_STRIDE;
+  // canonical rows: 256 bytes of codes per row and fold chunk, padded to 288; unit layout: the
+  // unit's 18 KB as stored (codes 16 KB, then scales 2 KB)
+  static constexpr int W_STRIDE = 288;
+  static constexpr int W_CODES = UNIT ? 16384 : ROWS * W_STRIDE;
   static constexpr int W_SCALES = ROWS * 32;
   static constexpr int B_BYTES = BM * 1024;  // the fold chunk's activation, decoded (wgmma B)
   static constexpr int STAGE = W_CODES + W_SCALES + B_BYTES;
@@ -1015,6 +1017,22 @@ __device__ __forceinline__ void stream_raw(const unsigned char* stage, int r0, i
   r.s[1] = s0[8 * 32];
   r.s[2] = s0[4];
   r.s[3] = s0[8 * 32 + 4];
+}
+
+// The same data from a stage in the unit layout: chunk c, warp w: two 512-byte blocks of 16 bytes
+// per lane (words 2t, 2t+1 of rows r0, r0 + 8, then words 2t + 8, 2t + 9), then the scales at
+// 16384 + (4 c + w) * 128, 4 bytes per lane (blocks t, t + 4 of rows r0, r0 + 8, in Raw's order).
+__device__ __forceinline__ void unit_raw(const unsigned char* stage, int c, int warp, int lane,
+                                         Raw& r) {
+  const unsigned char* blk = stage + (c * 4 + warp) * 1024 + lane * 16;
+  const uint4 a = *(const uint4*)blk, b = *(const uint4*)(blk + 512);
+  r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+  r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+  const u32 sc = *(const u32*)(stage + 16384 + (c * 4 + warp) * 128 + lane * 4);
+  r.s[0] = sc & 0xFFu;
+  r.s[1] = (sc >> 8) & 0xFFu;
+  r.s[2] = (sc >> 16) & 0xFFu;
+  r.s[3] = sc >> 24;
 }
 
 // 16 bytes from global to shared memory (cp.async, L2 only).
@@ -1047,23 +1065,64 @@ __device__ __forceinline__ void stream_load_act(const Params& p, int u, int n_fo
   }
 }
 
+// The weight of unit u into the stage at `stage` by 16-byte cp.async copies from the canonical
+// rows (sixteen threads per 256-byte row of codes: coalesced), completing on barrier `full` (one
+// arrival per thread). Rows past N and chunks past K are not copied.
+template <int BM>
+__device__ __forceinline__ void stream_copy_canonical(const Params& p, int u, int n_folds,
+                                                      int k_chunks, u32 stage, u32 full, int tid) {
+  using S = StreamShape<BM, false>;
+  const unsigned char* w_codes = (const unsigned char*)p.w_words;
+  const long long w_row = p.stride_ww * 4;
+  const int n0 = (u / n_folds) * ROWS, f = u % n_folds;
+  const int n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // weight codes: 64 rows x 16 granules
+    const int id = tid + 128 * j, r = id >> 4, col = (id & 15) * 16;
+    if (n0 + r < p.N && col < n_ch * 64)
+      cp_async16(stage + r * S::W_STRIDE + col, w_codes + (n0 + r) * w_row + f * 256 + col);
+  }
+  {  // weight scales: 64 rows x 2 granules
+    const int r = tid >> 1, col = (tid & 1) * 16;
+    if (n0 + r < p.N && col < n_ch * 8)
+      cp_async16(stage + S::W_CODES + r * 32 + col,
+                 p.w_scales + (n0 + r) * p.stride_ws + f * 32 + col);
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+}
+
+// The weight of unit u into the stage at `stage` from the unit layout (p.w_words: 18 KB per unit,
+// units tile-major): two bulk copies of its chunks' codes and scales (the chunks inside K, a
+// prefix of each part), announced on barrier `full` by one arrival. One thread.
+__device__ __forceinline__ void unit_copy(const Params& p, int u, int n_folds, int k_chunks,
+                                          u32 stage, u32 full) {
+  const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
+  const unsigned char* src = (const unsigned char*)p.w_words + (long long)u * 18432;
+  mbar_expect_tx(full, n_ch * 4608);
+  bulk_copy(stage, src, n_ch * 4096, full);
+  bulk_copy(stage + 16384, src + 16384, n_ch * 512, full);
+}
+
 // The producer warpgroup: unit i of this CTA into stage i % STAGES. The weight by 16-byte cp.async
 // copies (sixteen threads per 256-byte row of codes: coalesced) that complete on the stage's full
 // barrier (one arrival per thread); the activation slice read (two units ahead) and decoded into
 // the stage's B block by the same threads (a second arrival each). Rows past N are not copied and
 // activation rows past M not written (they only feed outputs that are never stored), nor chunks
 // past K.
-template <int BM>
+template <int BM, bool UNIT>
 __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* smem, u32 base,
                                                u32 bars, int u0, int u1, int n_folds,
                                                int k_chunks, int tid) {
-  using S = StreamShape<BM>;
+  using S = StreamShape<BM, UNIT>;
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
   // the weight is no previous kernel's output: pull the first unit into L2 before waiting (only
   // the first: every SM prefetching all its stages at once, 17 MB on N = K = 8192, delayed each
   // SM's first stage from 1.8 to 3.8 us on the H200)
-  if (u0 < u1) {
+  if (UNIT) {
+    // the weight is no previous kernel's output: the first unit's bulk copies go before the wait
+    if (tid == 0 && u0 < u1) unit_copy(p, u0, n_folds, k_chunks, base, bars);
+  } else if (u0 < u1) {
     const int n0 = (u0 / n_folds) * ROWS, f = u0 % n_folds, r = tid >> 1;
     if (n0 + r < p.N)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row + f * 256 +
@@ -1077,22 +1136,13 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
     const int u = u0 + i, s = i % S::STAGES, round = i / S::STAGES;
     const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
     const u32 stage = base + s * S::STAGE;
-    const int n0 = (u / n_folds) * ROWS, f = u % n_folds;
-    const int n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+    const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {  // weight codes: 64 rows x 16 granules
-      const int id = tid + 128 * j, r = id >> 4, col = (id & 15) * 16;
-      if (n0 + r < p.N && col < n_ch * 64)
-        cp_async16(stage + r * S::W_STRIDE + col, w_codes + (n0 + r) * w_row + f * 256 + col);
+    if (UNIT) {
+      if (tid == 0 && i > 0) unit_copy(p, u, n_folds, k_chunks, stage, full);
+    } else {
+      stream_copy_canonical<BM>(p, u, n_folds, k_chunks, stage, full, tid);
     }
-    {  // weight scales: 64 rows x 2 granules
-      const int r = tid >> 1, col = (tid & 1) * 16;
-      if (n0 + r < p.N && col < n_ch * 8)
-        cp_async16(stage + S::W_CODES + r * 32 + col,
-                   p.w_scales + (n0 + r) * p.stride_ws + f * 32 + col);
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
     const StreamAct<BM> cur = ahead[0];
     ahead[0] = ahead[1];
     if (u + 2 < u1) stream_load_act<BM>(p, u + 2, n_folds, k_chunks, tid, ahead[1]);
@@ -1113,23 +1163,29 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
 
 // A consumer warpgroup's unit: the fold chunk's chain, the weight decoded from the stage into
 // register fragments; chunk c + 1 is decoded while chunk c's chain runs (one chain in flight).
-template <int BM>
+template <int BM, bool UNIT>
 __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stage_addr, int n_ch,
                                             int tid, Acc<BM>& part) {
-  using S = StreamShape<BM>;
+  using S = StreamShape<BM, UNIT>;
   const int lane = tid & 31, warp = tid >> 5;
   const int r0 = 16 * warp + (lane >> 2), t = lane & 3;
   const u64 desc0 = smem_desc(stage_addr + S::W_CODES + S::W_SCALES, LBO_BYTES, SBO_BYTES);
   Raw raw;
   u32 a[2][8][4];
-  stream_raw(stage, r0, 0, t, raw);
+  if (UNIT)
+    unit_raw(stage, 0, warp, lane, raw);
+  else
+    stream_raw(stage, r0, 0, t, raw);
   decode_raw(raw, a[0]);
 #pragma unroll
   for (int c = 0; c < FOLD_CHUNKS; ++c) {
     if (c < n_ch) {
       issue_chunk<BM>(part, a[c & 1], desc0 + (u64)(c * 8 * BM * 2), c == 0);
       if (c + 1 < n_ch) {
-        stream_raw(stage, r0, c + 1, t, raw);
+        if (UNIT)
+          unit_raw(stage, c + 1, warp, lane, raw);
+        else
+          stream_raw(stage, r0, c + 1, t, raw);
         decode_raw(raw, a[(c + 1) & 1]);
       }
       wgmma_wait<0>();
@@ -1171,9 +1227,9 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
   store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3);
 }
 
-template <int BM, int NWG>
+template <int BM, int NWG, bool UNIT>
 __device__ __forceinline__ void gemm_stream(const Params& p) {
-  using S = StreamShape<BM>;
+  using S = StreamShape<BM, UNIT>;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = (u32)__cvta_generic_to_shared(smem);
   const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
@@ -1186,14 +1242,16 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::STAGES; ++s) {
-      mbar_init(bars + 8 * s, 256);                // each producer thread: copies, stores
+      // each producer thread: its copies (canonical) and its stores; unit layout: the stores and
+      // the bulk copies' announcement
+      mbar_init(bars + 8 * s, UNIT ? 129 : 256);
       mbar_init(bars + 8 * (S::STAGES + s), 128);  // the consuming warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (wg == NWG) {
-    stream_produce<BM>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
+    stream_produce<BM, UNIT>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
     return;
   }
   wait_previous_kernel();
@@ -1209,7 +1267,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     Acc<BM> part;
 #pragma unroll
     for (int e = 0; e < BM / 2; ++e) part.d[e] = 0.f;
-    stream_unit<BM>(smem + s * S::STAGE, base + s * S::STAGE, n_ch, tid, part);
+    stream_unit<BM, UNIT>(smem + s * S::STAGE, base + s * S::STAGE, n_ch, tid, part);
     if (u + NWG >= u1) PHASE_TIME(2);
     mbar_arrive(bars + 8 * (S::STAGES + s));  // every read of the stage is done
     if (n_folds == 1) {  // the fold of one chunk: 0 + p_0 (a -0 partial becomes +0)
@@ -1247,7 +1305,11 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
 #define STREAM_KERNEL(BM, NWG)                                                               \
   extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
       w4a4_stream_m##BM##_w##NWG(const Params p) {                                           \
-    gemm_stream<BM, NWG>(p);                                                                 \
+    gemm_stream<BM, NWG, false>(p);                                                          \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+      w4a4_stream_unit_m##BM##_w##NWG(const Params p) {                                      \
+    gemm_stream<BM, NWG, true>(p);                                                           \
   }
 STREAM_KERNEL(8, 2)
 STREAM_KERNEL(8, 3)

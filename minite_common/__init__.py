@@ -14,8 +14,10 @@ from .linear import (
     grouped_w4a4_linear,
     nvfp4_gemm,
     quantize_weight,
+    refresh_kernel_layout,
     row_amax,
     w4a4_linear,
+    with_kernel_layout,
 )
 from .nvfp4 import NVFP4Tensor, cat_rows, dequantize_nvfp4, quantize_nvfp4, unpack_codes
 from .recipe import (
@@ -46,9 +48,11 @@ __all__ = [
     "quantize_stacked_weight",
     "quantize_weight",
     "random_hadamard_transform",
+    "refresh_kernel_layout",
     "rht_matrix",
     "row_amax",
     "unpack_codes",
     "w4a4_linear",
     "w4a4_linear_train",
+    "with_kernel_layout",
 ]

@@ -12,6 +12,8 @@ float32 (nearest even) in integer arithmetic.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import minite_kernels
 import torch
 from minite_kernels.dispatch import kernel_arch
@@ -124,6 +126,28 @@ def nvfp4_gemm(
     if kernel_arch(a.device):
         return minite_kernels.nvfp4_gemm(a, w, bias, out_dtype)
     return gemm_epilogue(exact_block_dot(a, w), a.decode_scale, w.decode_scale, bias, out_dtype)
+
+
+def with_kernel_layout(w: NVFP4Tensor) -> NVFP4Tensor:
+    """``w`` with a kernel-friendly copy of its codes and scales attached where a GPU kernel
+    reads one (Hopper: the streamed GEMM that serves batches of up to 16 rows, for weights of at
+    least 8 Mi elements with K % 256 == 0), else ``w`` itself. The copy is lossless, holds about
+    as many bytes again as the codes and scales, and changes no bit of any result: only speed
+    (``MINITE_KERNEL_LAYOUT=0`` turns it off). Made once per weight, e.g. at load; after writing
+    into ``w.codes`` / ``w.scales`` in place call :func:`refresh_kernel_layout` (an eager call
+    notices the change and refreshes it itself; a CUDA graph replay does not)."""
+    if w.kernel_layout is not None:
+        return w
+    layout = minite_kernels.kernel_layout(w)
+    return w if layout is None else replace(w, kernel_layout=layout)
+
+
+def refresh_kernel_layout(w: NVFP4Tensor) -> None:
+    """Rewrite ``w``'s kernel layout (if it has one) in place from its codes and scales, after
+    they were changed in place: CUDA graphs that captured GEMMs on ``w`` then replay with the new
+    weight."""
+    if w.kernel_layout is not None:
+        w.kernel_layout.refresh(w.codes, w.scales)
 
 
 def check_weight(w: object, recipe: NVFP4Recipe, where: str = "w4a4_linear") -> NVFP4Tensor:

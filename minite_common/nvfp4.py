@@ -7,7 +7,7 @@ even, in exactly the order the contract writes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import minite_kernels
 import torch
@@ -55,7 +55,10 @@ class NVFP4Tensor:
     ``[rows, K/16]`` (one per 16 elements, unswizzled; with 2D blocks each 16x16 tile's scale is
     repeated on its 16 rows), ``decode_scale`` float32 ``[rows]`` (per-row amax, or a per-channel
     expansion) or 0-d (per-tensor amax). Value = code * f32(scale) * decode_scale.
-    ``recipe_fingerprint`` names the recipe it was quantized under.
+    ``recipe_fingerprint`` names the recipe it was quantized under. ``kernel_layout``: a
+    kernel-friendly copy of ``codes`` and ``scales`` (see
+    :func:`~minite_common.linear.with_kernel_layout`), never part of the numbers; the kernels use
+    it only while it matches these very codes and scales.
     """
 
     codes: torch.Tensor
@@ -65,6 +68,7 @@ class NVFP4Tensor:
     dtype: torch.dtype
     block_2d: bool = False
     recipe_fingerprint: str = DEFAULT_RECIPE.fingerprint()
+    kernel_layout: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         rows, k = self.shape
@@ -106,6 +110,7 @@ class NVFP4Tensor:
             codes=self.codes.to(device),
             scales=self.scales.to(device),
             decode_scale=self.decode_scale.to(device),
+            kernel_layout=None,
         )
 
     def channel_decode_scale(self) -> torch.Tensor:
@@ -126,6 +131,7 @@ class NVFP4Tensor:
             scales=self.scales.narrow(0, start, length),
             decode_scale=dec if dec.dim() == 0 else dec.narrow(0, start, length),
             shape=torch.Size((length, self.cols)),
+            kernel_layout=None,
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

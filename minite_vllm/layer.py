@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from minite_common import NVFP4Recipe, NVFP4Tensor, cat_rows
+from minite_common import NVFP4Recipe, NVFP4Tensor, cat_rows, with_kernel_layout
 from minite_common.checkpoint import check_nvfp4_state_tensor
 from minite_common.nvfp4 import BLOCK
 from minite_common.parallel import ProcessGroup, quantize_weight_shards
@@ -28,6 +28,9 @@ from minite_common.parallel import ProcessGroup, quantize_weight_shards
 #: Checkpoint tensor suffixes of one quantized HF weight, in minite_common.checkpoint's order.
 SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 DECODE_SCALE = "weight_decode_scale"
+#: The layer attribute holding its weights' kernel layouts by stem (not a parameter or buffer: a
+#: copy the GEMMs read, never saved or synced).
+KERNEL_LAYOUTS = "minite_kernel_layouts"
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class NVFP4LayerMixin:
     stems: tuple[str, ...]
     out_dtype: torch.dtype
     loaded: set[tuple[Part, str]]
+    #: The stems whose GEMMs read a kernel layout where one exists (dense GEMMs: the grouped
+    #: experts' kernel reads none).
+    kernel_layout_stems: tuple[str, ...] = ()
 
     def parts_for_load(self, param_name: str, arguments: Mapping[str, Any]) -> list[Part]:
         """The parts that one vLLM weight-loader call writes into (``arguments``: the call's
@@ -175,8 +181,24 @@ class NVFP4LayerMixin:
                 )
             getattr(layer, name).data.view(-1).copy_(merged.decode_scale)
 
+    def refresh_kernel_layouts(self, layer: torch.nn.Module) -> None:
+        """Make the kernel-friendly copies of the weights of ``kernel_layout_stems`` where a GPU
+        kernel reads one (:func:`~minite_common.with_kernel_layout`), or rewrite them in place
+        after a weight update, so that CUDA graphs captured on them replay with the new
+        weights."""
+        layouts = layer.__dict__.setdefault(KERNEL_LAYOUTS, {})
+        for stem in self.kernel_layout_stems:
+            w = self.gemm_weight(layer, stem)
+            if stem in layouts:
+                layouts[stem].refresh(w.codes, w.scales)
+                continue
+            layout = with_kernel_layout(w).kernel_layout
+            if layout is not None:
+                layouts[stem] = layout
+
     def gemm_weight(self, layer: torch.nn.Module, stem: str) -> NVFP4Tensor:
-        """The stem's weight as one NVFP4 tensor ``[rows, K]`` (experts stacked along rows)."""
+        """The stem's weight as one NVFP4 tensor ``[rows, K]`` (experts stacked along rows),
+        with its kernel layout if it has one (:meth:`refresh_kernel_layouts`)."""
         codes = getattr(layer, f"{stem}weight").data
         scales = getattr(layer, f"{stem}weight_scale").data
         decode = getattr(layer, f"{stem}{DECODE_SCALE}").data
@@ -189,6 +211,7 @@ class NVFP4LayerMixin:
             dtype=self.out_dtype,
             block_2d=self.recipe.weight_block_2d,
             recipe_fingerprint=self.recipe.fingerprint(),
+            kernel_layout=layer.__dict__.get(KERNEL_LAYOUTS, {}).get(stem),
         )
 
     # -- checkpoint and update tensors: checks while loading ---------------------------------

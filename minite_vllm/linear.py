@@ -47,6 +47,7 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
         self.uses_meta_device = not config.prequantized
         self.hf_names = hf_names
         self.stems = ("",)
+        self.kernel_layout_stems = ("",)
         self.loaded = set()
 
     def create_weights(
@@ -168,6 +169,7 @@ class MiniteLinearMethod(NVFP4LayerMixin, LinearMethodBase):
             for part, t in quantized:
                 self.write_part(layer, part, t)
         self.refresh_decode_scale(layer)
+        self.refresh_kernel_layouts(layer)
         layer._already_called_process_weights_after_loading = True
 
     def apply(

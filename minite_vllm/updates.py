@@ -234,6 +234,7 @@ class _StagedUpdate:
             method.write_part(layer, part, t)
         for layer, method in self.layers.values():
             method.refresh_decode_scale(layer)
+            method.refresh_kernel_layouts(layer)
         for module in self.model.modules():
             method = getattr(module, "quant_method", None)
             params = module._parameters.values()

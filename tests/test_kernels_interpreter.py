@@ -155,6 +155,72 @@ def test_wide_kernel_plans() -> None:
     assert wide_plan(64, 8192, 8192 + 64, 132) is None  # K % 128 != 0
 
 
+def _unit_layout_by_reading_order(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The streamed kernel's unit layout built element by element from what each consumer thread
+    reads (the canonical kernel's ``stream_raw``: rows r0 = 16 warp + lane / 4 and r0 + 8, code
+    words 2t, 2t + 1, 2t + 8, 2t + 9 and scale blocks t, t + 4 of each 128-element chunk)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    tiles, folds = -(-n // 64), -(-k // 512)
+    out = torch.zeros(tiles * folds, 18432, dtype=torch.uint8)
+    words, sc = codes.view(torch.int32), scales.view(torch.uint8)
+    for tile in range(tiles):
+        for fold in range(folds):
+            unit = out[tile * folds + fold]
+            for c in range(min(4, k // 128 - 4 * fold)):
+                ch = 4 * fold + c
+                for warp in range(4):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        rows = [r if r < n else None for r in (64 * tile + 16 * warp + g,) * 2]
+                        rows[1] = rows[0] + 8 if rows[0] is not None and rows[0] + 8 < n else None
+
+                        def word(r, j, ch=ch):
+                            return 0 if r is None else int(words[r, 16 * ch + j])
+
+                        def scale(r, b, ch=ch):
+                            return 0 if r is None else int(sc[r, 8 * ch + b])
+
+                        r0, r1 = rows
+                        lo = [word(r0, 2 * t), word(r0, 2 * t + 1), word(r1, 2 * t)]
+                        lo += [word(r1, 2 * t + 1)]
+                        hi = [word(r0, 2 * t + 8), word(r0, 2 * t + 9), word(r1, 2 * t + 8)]
+                        hi += [word(r1, 2 * t + 9)]
+                        at = (4 * c + warp) * 1024 + 16 * lane
+                        unit[at : at + 16] = torch.tensor(lo, dtype=torch.int32).view(torch.uint8)
+                        at += 512
+                        unit[at : at + 16] = torch.tensor(hi, dtype=torch.int32).view(torch.uint8)
+                        at = 16384 + (4 * c + warp) * 128 + 4 * lane
+                        s4 = [scale(r0, t), scale(r1, t), scale(r0, t + 4), scale(r1, t + 4)]
+                        unit[at : at + 4] = torch.tensor(s4, dtype=torch.uint8)
+    return out.reshape(-1)
+
+
+def test_unit_layout_is_the_consumers_reading_order() -> None:
+    """The streamed kernel's weight layout (made once per weight) holds exactly the bytes each
+    consumer thread reads from the canonical rows, rows past N and chunks past K zero: whole and
+    half fold chunks, N not a multiple of 64; rewriting it in place gives the same bytes; bad
+    shapes are refused; on the CPU no weight gets one."""
+    pytest.importorskip("triton")
+    from minite_kernels import w4a4_gemm_cuda
+
+    from minite_common import quantize_nvfp4, with_kernel_layout
+
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((64, 512), (100, 768), (130, 1280), (16, 256)):
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g)
+        scales = scales.view(torch.float8_e4m3fn)
+        want = _unit_layout_by_reading_order(codes, scales)
+        assert torch.equal(w4a4_gemm_cuda.unit_layout(codes, scales), want), (n, k)
+        # rewritten in place over another weight's layout (a weight update)
+        out = w4a4_gemm_cuda.unit_layout(codes.flip(0), scales.view(torch.uint8).flip(1))
+        assert torch.equal(w4a4_gemm_cuda.unit_layout(codes, scales, out=out), want)
+    with pytest.raises(ValueError, match="K % 256"):
+        w4a4_gemm_cuda.unit_layout(codes[:, :64], scales[:, :8])
+    w = quantize_nvfp4(torch.randn(4096, 2048), amax="tensor", block_2d=True)
+    assert with_kernel_layout(w) is w and w.kernel_layout is None
+
+
 # ---- worker side (runs under TRITON_INTERPRET=1) ----
 
 

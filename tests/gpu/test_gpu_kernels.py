@@ -396,11 +396,14 @@ def test_cuda_gemm_same_bits_as_triton(monkeypatch: pytest.MonkeyPatch, out_dtyp
 def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     """The streamed small-M kernel (persistent grid over weight-tile x fold-chunk units, partials
     folded in order by each tile's last warpgroup) gives the Triton decode GEMM's bits at every
-    M <= 16, with two or three consumer warpgroups: one unit per warpgroup and many, a last fold
-    chunk of 256 elements, N not a multiple of 64, a single fold chunk (direct store), bias,
-    heavy tails, per-tensor activation scales; its tile counters are left at zero; the default
-    dispatch sends large weights to it; a CUDA graph replays it on new inputs (the counters
-    buffer of the capture stream included)."""
+    M <= 16, with two or three consumer warpgroups and either weight layout (canonical rows, the
+    unit layout): one unit per warpgroup and many, a last fold chunk of 256 elements, N not a
+    multiple of 64, a single fold chunk (direct store), bias, heavy tails, NaN / Inf / zero
+    activation rows, per-tensor activation scales; its tile counters are left at zero; the
+    default dispatch sends large weights to it; a CUDA graph replays it on new inputs (the
+    counters buffer of the capture stream included)."""
+    from dataclasses import replace
+
     from minite_kernels import w4a4_gemm_cuda
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
 
@@ -408,18 +411,20 @@ def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     assert w4a4_gemm_cuda.available(device), w4a4_gemm_cuda._broken(0)
     for n, k in ((8192, 8192), (2048, 4096), (4096, 2304), (1000, 768), (200, 512), (64, 256)):
         w = quantize_nvfp4(_make("heavy", n, k, n).cuda(), amax="tensor", block_2d=True)
+        w_units = replace(w, kernel_layout=w4a4_gemm_cuda.UnitLayout(w.codes, w.scales))
         bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
         for m in (1, 2, 5, 8, 9, 13, 16):
-            for kind, amax in (("heavy", "row"), ("blocks", "tensor")):
+            for kind, amax in (("heavy", "row"), ("blocks", "tensor"), ("specials", "row")):
                 a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
                 assert w4a4_gemm_cuda.stream_fits(a, w)
                 want = nvfp4_gemm_sm90(a, w, bias, out_dtype, config=decode_config(m))
                 for wgs in (2, 3):
-                    got = torch.full_like(want, float("nan"))
-                    how = w4a4_gemm_cuda.stream_plan(m, n, k, 132, wgs)
-                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
-                    where = (n, k, m, kind, wgs)
-                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                    for weight in (w, w_units):
+                        got = torch.full_like(want, float("nan"))
+                        how = w4a4_gemm_cuda.stream_plan(m, n, k, 132, wgs)
+                        w4a4_gemm_cuda.gemm(a, weight, bias, got, 132, how=how)
+                        where = (n, k, m, kind, wgs, weight is w_units)
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
@@ -430,6 +435,73 @@ def test_streamed_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     assert w4a4_gemm_cuda.serves(a, w, y[:, :2048].contiguous())
     _assert_graph_replays_same_bits(w, (1, 4, 16), out_dtype)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+
+
+def test_kernel_layout_follows_weight_updates_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight's kernel layout (the streamed kernel's unit layout) changes no bit and follows
+    the weight: refreshed in place after an in-place update, a captured CUDA graph replays with
+    the new weight; an eager call after an in-place write refreshes it itself; a row slice or a
+    copy of the weight does not use it; ``MINITE_KERNEL_LAYOUT=0`` makes none; small weights
+    (not served by the streamed kernel) get none."""
+    from minite_kernels import w4a4_gemm_cuda
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    from minite_common import refresh_kernel_layout, with_kernel_layout
+
+    n, k = 2048, 4096  # 8 Mi elements: the streamed kernel's smallest default weight
+    old, new = (quantize_nvfp4(_make("heavy", n, k, s).cuda(), amax="tensor", block_2d=True)
+                for s in (11, 12))  # fmt: skip
+    w = with_kernel_layout(old.to("cpu").to("cuda"))  # a weight of its own
+    assert isinstance(w.kernel_layout, w4a4_gemm_cuda.UnitLayout)
+    assert with_kernel_layout(w) is w
+    small = quantize_nvfp4(_make("normal", 1024, 4096, 1).cuda(), amax="tensor", block_2d=True)
+    assert with_kernel_layout(small).kernel_layout is None
+    monkeypatch.setenv("MINITE_KERNEL_LAYOUT", "0")
+    assert with_kernel_layout(old).kernel_layout is None
+    monkeypatch.delenv("MINITE_KERNEL_LAYOUT")
+
+    def want(weight: NVFP4Tensor, x: torch.Tensor) -> torch.Tensor:
+        return nvfp4_gemm_sm90(quantize_nvfp4(x), weight, config=decode_config(x.shape[0]))
+
+    xs = {m: torch.zeros(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 16)}
+    graphs, outs = {}, {}
+    for m, x in xs.items():
+        w4a4_linear(x, w)
+        graphs[m] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[m]):
+            outs[m] = w4a4_linear(x, w)
+    for m, x in xs.items():
+        x.copy_(_make("normal", m, k, m).cuda())
+        graphs[m].replay()
+        assert torch.equal(outs[m], want(old, x)), m
+    # an in-place update (as a weight sync commits it), then the refresh: the graphs follow
+    w.codes.copy_(new.codes)
+    w.scales.copy_(new.scales)
+    w.decode_scale.copy_(new.decode_scale)
+    refresh_kernel_layout(w)
+    for m, x in xs.items():
+        graphs[m].replay()
+        assert torch.equal(outs[m], want(new, x)), m
+    # an in-place write without a refresh: the next eager call notices it (version counter)
+    w.codes.copy_(old.codes)
+    w.scales.copy_(old.scales)
+    w.decode_scale.copy_(old.decode_scale)
+    assert torch.equal(w4a4_linear(xs[1], w), want(old, xs[1]))
+    graphs[16].replay()
+    assert torch.equal(outs[16], want(old, xs[16]))
+    # a row slice and a copy do not read the layout made for the whole weight
+    rows = w.narrow_rows(64, 1024)
+    assert rows.kernel_layout is None and w.to("cuda").kernel_layout is None
+    sliced = NVFP4Tensor(w.codes[64:1088], w.scales[64:1088], w.decode_scale,
+                         torch.Size((1024, k)), w.dtype, w.block_2d, w.recipe_fingerprint,
+                         kernel_layout=w.kernel_layout)  # fmt: skip
+    assert w.kernel_layout.units_for(sliced.codes, sliced.scales) is None
+    y = torch.empty(16, 1024, dtype=torch.bfloat16, device="cuda")
+    a = quantize_nvfp4(xs[16])
+    w4a4_gemm_cuda.gemm(a, sliced, None, y, 132, how=w4a4_gemm_cuda.stream_plan(16, 1024, k, 132))
+    assert torch.equal(y, want(rows, xs[16]))
+    with pytest.raises(ValueError, match="not the codes and scales"):
+        w.kernel_layout.refresh(sliced.codes, sliced.scales)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
