@@ -1116,12 +1116,17 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
   using S = StreamShape<BM, UNIT>;
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
-  // the weight is no previous kernel's output: pull the first unit into L2 before waiting (only
-  // the first: every SM prefetching all its stages at once, 17 MB on N = K = 8192, delayed each
-  // SM's first stage from 1.8 to 3.8 us on the H200)
+  // pull the first unit's weight into L2 before waiting: a prefetch, since L2 is where global
+  // memory is coherent it cannot make a later copy stale even if the previous kernel wrote the
+  // weight (a kernel-layout refresh does), where reading it into shared memory before the wait
+  // could; only the first unit: every SM prefetching all its stages at once, 17 MB on N = K =
+  // 8192, delayed each SM's first stage from 1.8 to 3.8 us on the H200
   if (UNIT) {
-    // the weight is no previous kernel's output: the first unit's bulk copies go before the wait
-    if (tid == 0 && u0 < u1) unit_copy(p, u0, n_folds, k_chunks, base, bars);
+    if (tid == 0 && u0 < u1)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                       (const unsigned char*)p.w_words + (long long)u0 * 18432),
+                   "r"(18432)
+                   : "memory");
   } else if (u0 < u1) {
     const int n0 = (u0 / n_folds) * ROWS, f = u0 % n_folds, r = tid >> 1;
     if (n0 + r < p.N)
@@ -1139,7 +1144,7 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
     const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
     if (UNIT) {
-      if (tid == 0 && i > 0) unit_copy(p, u, n_folds, k_chunks, stage, full);
+      if (tid == 0) unit_copy(p, u, n_folds, k_chunks, stage, full);
     } else {
       stream_copy_canonical<BM>(p, u, n_folds, k_chunks, stage, full, tid);
     }

@@ -482,7 +482,17 @@ def test_kernel_layout_follows_weight_updates_in_graphs(monkeypatch: pytest.Monk
     for m, x in xs.items():
         graphs[m].replay()
         assert torch.equal(outs[m], want(new, x)), m
-    # an in-place write without a refresh: the next eager call notices it (version counter)
+    # an in-place write without a refresh: the next eager call notices it (version counter),
+    # its refresh the kernel right before the GEMM (whose early start must not read stale units)
+    w.codes.copy_(old.codes)
+    w.scales.copy_(old.scales)
+    w.decode_scale.copy_(old.decode_scale)
+    a = quantize_nvfp4(xs[16])
+    assert torch.equal(nvfp4_gemm(a, w), want(old, xs[16]))
+    w.codes.copy_(new.codes)
+    w.scales.copy_(new.scales)
+    w.decode_scale.copy_(new.decode_scale)
+    assert torch.equal(w4a4_linear(xs[1], w), want(new, xs[1]))
     w.codes.copy_(old.codes)
     w.scales.copy_(old.scales)
     w.decode_scale.copy_(old.decode_scale)
