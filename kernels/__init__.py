@@ -24,6 +24,7 @@ __all__ = [
     "nvfp4_gemm_partials",
     "quantize_grad_operands",
     "quantize_nvfp4",
+    "quantized_rows_gemm",
     "strict_kernels",
     "swiglu_backward",
     "swiglu_forward",
@@ -46,6 +47,18 @@ def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torc
     from .w4a4_gemm import nvfp4_gemm_sm90
 
     return nvfp4_gemm_sm90(a, w, bias, out_dtype)
+
+
+def quantized_rows_gemm(x: torch.Tensor, w, bias=None, out_dtype=torch.bfloat16):
+    """``a @ w.T`` with ``a`` the per-row-amax NVFP4 quantization of BF16 rows ``x``, computed
+    without materializing ``a`` where a kernel's activation pass quantizes (Hopper, 16 < M <=
+    256; see ``w4a4_gemm.quantized_rows_gemm_sm90``); None where none does. Bitwise equal to
+    ``nvfp4_gemm(quantize(x), w, ...)``."""
+    if kernel_arch(x.device) != "sm90":
+        return None
+    from .w4a4_gemm import quantized_rows_gemm_sm90
+
+    return quantized_rows_gemm_sm90(x, w, bias, out_dtype)
 
 
 def kernel_layout(w):

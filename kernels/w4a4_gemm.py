@@ -517,6 +517,26 @@ def nvfp4_gemm_sm90(
     return y
 
 
+def quantized_rows_gemm_sm90(
+    x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor | None:
+    """``quantize(x) @ w.T`` (the contract's activation quantizer, per-row amax) for BF16 rows
+    ``x`` [M, K] where the CUDA C++ GEMM's activation pass quantizes them itself, one launch
+    instead of the quantizer's and the image's (``w4a4_gemm_cuda.rows_plan``: 16 < M <= 256 on
+    the register-A and warp-specialized wide-M and the mid-M kernels); None elsewhere, where the
+    caller quantizes and calls :func:`nvfp4_gemm_sm90`. The same bits either way."""
+    if x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"W4A4 GEMM: x must be [M, {w.cols}], got {list(x.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.rows):
+        raise ValueError(f"W4A4 GEMM: bias must be [{w.rows}], got {list(bias.shape)}")
+    how = w4a4_gemm_cuda.rows_plan(x, w, out_dtype)
+    if how is None:
+        return None
+    y = torch.empty(x.shape[0], w.rows, dtype=out_dtype, device=x.device)
+    w4a4_gemm_cuda.gemm_rows(x, w, bias, y, how)
+    return y
+
+
 def _launch_bf16_gemm(a, w, bias, y, n: int, sizes, cfg: LargeConfig, use_asm: bool) -> None:
     """Both operands decoded into BF16 scratch, then one launch of the pre-decoded GEMM (grouped
     by expert when ``sizes``, a device tensor)."""

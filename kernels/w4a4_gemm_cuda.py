@@ -206,7 +206,8 @@ def _kernel_names() -> list[str]:
         for units in (False, True)
     ]
     gemms += [Plan("wide", b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS]
-    return gemms + [f"w4a4_decode_act_m{b}" for b in _MID_BLOCK_MS + _WS_BLOCK_MS]
+    image_ms = _MID_BLOCK_MS + _WS_BLOCK_MS
+    return gemms + [f"w4a4_{pass_}_act_m{b}" for b in image_ms for pass_ in ("decode", "quantize")]
 
 
 @functools.cache
@@ -327,10 +328,14 @@ def wide_fits(a, w) -> bool:
     """Whether the register-A wide-M kernel can read these operands: whole 128-element chunks
     (K % 128 == 0), 16-byte aligned rows of codes, 8-byte aligned rows of weight scales, and a
     tile counter per (batch tile, 128 weight rows)."""
+    return _wide_weight_fits(a.rows, w)
+
+
+def _wide_weight_fits(m: int, w) -> bool:
     codes, scales = w.codes, w.scales
     return (
         w.cols % 128 == 0
-        and triton.cdiv(a.rows, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
+        and triton.cdiv(m, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
         and codes.data_ptr() % 16 == 0
         and codes.stride(0) * codes.element_size() % 16 == 0
         and scales.data_ptr() % 8 == 0
@@ -655,7 +660,6 @@ def gemm(
     :class:`UnitLayout` of ``w``'s codes and scales) where there is one, else the canonical
     codes and scales (same bits)."""
     m, n, k = a.rows, w.rows, a.cols
-    device = a.codes.device
     fits, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
     how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide)
     if how is None:
@@ -677,10 +681,87 @@ def gemm(
         )
     layout = getattr(w, "kernel_layout", None) if how.family == "stream" else None
     w_units = layout.units_for(w.codes, w.scales) if isinstance(layout, UnitLayout) else None
-    units = w_units is not None
-    ww, aw = code_words(w.codes), code_words(a.codes)
+    vector = a.decode_scale.dim() > 0
+    adec = a.decode_scale if vector else a.decode_scale.reshape(1)
+    act = _Activation(code_words(a.codes), a.scales, adec, adec.stride(0) if vector else 0)
+    _launch(how, act, w, w_units, bias, y, m, k, sms, phase_times)
+
+
+#: The kernel families that read the activation as a decoded image, made by a launch before theirs.
+_IMAGE_FAMILIES = ("mid", "ws", "wide")
+#: The most rows :func:`gemm_rows` quantizes in the image pass: one CTA per row reads it twice
+#: (amax, then codes); on the H200 that measured 1.02-1.15x the quantize-then-decode pair at
+#: M = 32-64, even at M = 128-256, and 0.96-1.0x at M = 512-1024 (benchmarks/NOTES_kernels.md).
+ROWS_MAX_M = 256
+
+
+class _Activation(NamedTuple):
+    """The activation as the kernels read it: ``words`` int32 [M, *] (NVFP4 codes; BF16 element
+    pairs when the image pass quantizes them), ``scales`` (None then), ``dec`` float32 decode
+    scales (written by the quantizing pass) with ``dec_stride``."""
+
+    words: torch.Tensor
+    scales: torch.Tensor | None
+    dec: torch.Tensor
+    dec_stride: int
+
+
+def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
+    """The plan for ``quantize(x) @ w.T`` (per-row amax, the contract's activation quantizer) where
+    :func:`gemm_rows` serves it: the GEMM the quantized ``x`` would get by default reads a decoded
+    activation image (:data:`_IMAGE_FAMILIES`), 16 < M <= :data:`ROWS_MAX_M`, and ``x`` is BF16
+    [M, K] with 16-byte aligned rows; else None."""
+    m, k = x.shape
+    mode = cuda_jit.mode()
+    if (
+        mode == "off"
+        or not SMALL_MAX_M < m <= ROWS_MAX_M
+        or x.dtype != torch.bfloat16
+        or not _rows_16b(x)
+        or k % 16
+        or k != w.cols
+        or x.device != w.codes.device
+        or out_dtype not in _OUT_KINDS
+        or w.codes.stride(0) % 8
+        or w.codes.data_ptr() % 8
+        or not available(x.device)
+    ):
+        return None
+    ws, streamed, wide = ws_fits(w), _stream_weight_fits(w), _wide_weight_fits(m, w)
+    sms = _sms(x.device)
+    if mode == "auto" and not preferred(m, w.rows, k, sms, ws, streamed, wide):
+        return None
+    how = plan(m, w.rows, k, sms, ws=ws, stream=streamed, wide=wide)
+    return how if how is not None and how.family in _IMAGE_FAMILIES else None
+
+
+def gemm_rows(x: torch.Tensor, w, bias, y: torch.Tensor, how: Plan) -> None:
+    """``y = quantize(x) @ w.T`` with the contract's epilogue for a :func:`rows_plan` plan: the
+    launch that makes the activation image quantizes the BF16 rows ``x`` itself (the same bits as
+    the contract's quantizer followed by :func:`gemm`; one launch fewer)."""
+    m, k = x.shape
+    dec = torch.empty(m, dtype=torch.float32, device=x.device)
+    act = _Activation(x.view(torch.int32), None, dec, 1)
+    _launch(how, act, w, None, bias, y, m, k, _sms(x.device))
+
+
+def _launch(
+    how: Plan,
+    act: _Activation,
+    w,
+    w_units: torch.Tensor | None,
+    bias,
+    y: torch.Tensor,
+    m: int,
+    k: int,
+    sms: int,
+    phase_times=None,
+) -> None:
+    """Launch plan ``how`` (after the activation image's pass where the family reads one)."""
+    n = w.rows
+    device = w.codes.device
+    ww = code_words(w.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
-    adec = a.decode_scale if a.decode_scale.dim() else a.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
     rows = WIDE_ROWS if how.family == "wide" else ROWS  # weight rows per CTA
     n_tiles, m_tiles = triton.cdiv(n, rows), triton.cdiv(m, how.block_m)
@@ -696,17 +777,17 @@ def gemm(
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
-    if how.family not in ("small", "stream"):  # the activation decoded once into its image
+    if how.family in _IMAGE_FAMILIES:  # the activation decoded once into its image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
-        (w_units if units else ww).data_ptr(), w.scales.data_ptr(), wdec.data_ptr(),
-        aw.data_ptr(), a.scales.data_ptr(), adec.data_ptr(),
-        bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
+        (w_units if w_units is not None else ww).data_ptr(), w.scales.data_ptr(), wdec.data_ptr(),
+        act.words.data_ptr(), act.scales.data_ptr() if act.scales is not None else None,
+        act.dec.data_ptr(), bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
         phase_times.data_ptr() if phase_times is not None else None,
-        ww.stride(0), w.scales.stride(0), aw.stride(0), a.scales.stride(0), y.stride(0),
-        y.stride(1), wdec.stride(0) if w.decode_scale.dim() else 0,
-        adec.stride(0) if a.decode_scale.dim() else 0,
+        ww.stride(0), w.scales.stride(0), act.words.stride(0),
+        act.scales.stride(0) if act.scales is not None else 0, y.stride(0), y.stride(1),
+        wdec.stride(0) if w.decode_scale.dim() else 0, act.dec_stride,
         m, n, k, how.per_split, _OUT_KINDS[y.dtype], LBO, SBO,
         image.data_ptr() if image is not None else None, a_chunks,
         partials.data_ptr() if partials is not None else None,
@@ -723,11 +804,15 @@ def gemm(
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         z = how.splits if how.family == "wide" else 1
-        threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
-        decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
-        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
+        if act.scales is None:  # one CTA per image row quantizes it
+            quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
+            quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)
+        else:
+            threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
+            decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
+            decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
         grid = (m_tiles, n_tiles, z)
-    kernel = kernels[how.kernel_name(k % CHUNK == 0, units)]
+    kernel = kernels[how.kernel_name(k % CHUNK == 0, w_units is not None)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

@@ -971,6 +971,130 @@ extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m128(const Par
 extern "C" __global__ void __launch_bounds__(256) w4a4_decode_act_m256(const Params p) {
   decode_act_image<256>(p);
 }
+
+// ---- BF16 activation rows quantized and decoded into the image in one pass (w4a4_linear) ----
+//
+// The contract's activation quantizer (per-row amax over the finite elements, 1 x 16 blocks; the
+// float32 steps and roundings of kernels/nvfp4_quantize.py, IEEE divisions, no contraction) on
+// BF16 rows x (p.a_words: element pairs as words, p.stride_aw words per row, 16-byte aligned);
+// each block's two code words and scale byte go straight into decode_pair and the image, as
+// decode_act_image would decode them, and each row's decode scale (NaN if the row holds NaN or
+// Inf) to p.a_dec. One CTA per image row; rows past M and blocks past K are zeros in the image.
+
+#define QUANT_THREADS 256
+
+// Nonnegative finite float32 in [0, 448] -> E4M3 code, round to nearest even (f32_to_e4m3_rne).
+__device__ __forceinline__ u32 e4m3_code(float v) {
+  if (v < 0.015625f)  // step 2^-9: v * 2^9 exact, + 2^23 rounds it to an integer, ties to even
+    return (u32)(__float_as_int(__fadd_rn(__fmul_rn(v, 512.f), 8388608.f)) - 0x4B000000);
+  const int bits = __float_as_int(v);
+  return (u32)(((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3));
+}
+
+// E4M3 code 0..0x7E -> its float32 value (e4m3_to_f32).
+__device__ __forceinline__ float e4m3_value(u32 c) {
+  const u32 e = c >> 3, m = c & 7;
+  return e == 0 ? __fmul_rn((float)m, 0.001953125f) : __int_as_float((int)(((e + 120) << 23) | (m << 20)));
+}
+
+// E2M1 magnitude code of a in [0, 6], nearest, ties to the even code (e2m1_code_rne).
+__device__ __forceinline__ u32 e2m1_code(float a) {
+  const int magic = (__float_as_int(fmaxf(a, 1.f)) & 0x7F800000) + 0x0B000000;
+  const int rounded = __float_as_int(__fadd_rn(a, __int_as_float(magic)));
+  return (u32)(rounded - magic + ((magic >> 22) - 298));
+}
+
+// Magnitude bits of a BF16 element (low or high half of a word), 0 for NaN / Inf; `bad` set then.
+__device__ __forceinline__ u32 finite_mag(u32 half, u32& bad) {
+  const u32 m = half & 0x7FFFu;
+  bad |= m >= 0x7F80u;
+  return m < 0x7F80u ? m : 0u;
+}
+
+template <int BM>
+__device__ __forceinline__ void quantize_act_image(const Params& p) {
+  wait_previous_kernel();                                          // x is the previous kernel's
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the GEMM may start
+  __shared__ u32 red_big[QUANT_THREADS / 32], red_bad[QUANT_THREADS / 32];
+  const int row = blockIdx.x, tid = threadIdx.x, blocks = p.K / 16;
+  const bool live = row < p.M;
+  const uint4* x = (const uint4*)(p.a_words + (long long)(live ? row : 0) * p.stride_aw);
+  // pass 1: the largest finite magnitude (BF16 bits: integer order is magnitude order)
+  u32 big = 0, bad = 0;
+  for (int b = tid; live && b < blocks; b += QUANT_THREADS) {
+    const uint4 v[2] = {x[2 * b], x[2 * b + 1]};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        big = max(big, max(finite_mag(w[j], bad), finite_mag(w[j] >> 16, bad)));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    big = max(big, __shfl_xor_sync(0xffffffffu, big, o));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if ((tid & 31) == 0) {
+    red_big[tid >> 5] = big;
+    red_bad[tid >> 5] = bad;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < QUANT_THREADS / 32; ++i) {
+    big = max(big, red_big[i]);
+    bad |= red_bad[i];
+  }
+  // the global scales (global_scales): S_enc = min(2688 / amax, FLT_MAX), 1 where amax or it is 0
+  const float amax = __int_as_float((int)(big << 16));
+  float s_enc = fminf(__fdiv_rn(2688.f, amax), 3.4028234663852886e38f);
+  if (amax == 0.f || s_enc == 0.f) s_enc = 1.f;
+  const float s_dec = __fdiv_rn(1.f, s_enc);
+  if (live && tid == 0)  // the GEMM's a_dec, written here
+    ((float*)p.a_dec)[(long long)row * p.a_dec_stride] = bad ? __int_as_float(0x7FC00000) : s_dec;
+  const float enc6 = __fmul_rn(s_enc, 0.1666666716337204f);  // S_enc * float32(1/6)
+  unsigned char* tile = (unsigned char*)p.a_image + (long long)(row / BM) * p.a_chunks * (BM * 256);
+  // pass 2: per 16-element block (chunk i / 8, code-word pair i % 8) its scale and codes
+  for (int i = tid; i < p.a_chunks * 8; i += QUANT_THREADS) {
+    u32 cw[2] = {0, 0}, sb = 0;
+    if (live && i < blocks) {
+      const uint4 v[2] = {x[2 * i], x[2 * i + 1]};
+      const u32 w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+      float f[16];
+      u32 bbig = 0, unused = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const u32 lo = finite_mag(w[j], unused), hi = finite_mag(w[j] >> 16, unused);
+        bbig = max(bbig, max(lo, hi));
+        f[2 * j] = lo ? __int_as_float((int)(w[j] << 16)) : 0.f;     // NaN / Inf -> 0
+        f[2 * j + 1] = hi ? __int_as_float((int)(w[j] & 0xFFFF0000u)) : 0.f;
+      }
+      // block scale (_block_scales): E4M3(min(bamax * (S_enc / 6), 448)), its encode factor
+      sb = e4m3_code(fminf(__fmul_rn(__int_as_float((int)(bbig << 16)), enc6), 448.f));
+      const float enc =
+          fminf(__fdiv_rn(1.f, __fmul_rn(e4m3_value(sb), s_dec)), 3.4028234663852886e38f);
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const float s = __fmul_rn(f[e], enc);
+        cw[e >> 3] |= (e2m1_code(fminf(fabsf(s), 6.f)) | (s < 0.f ? 8u : 0u)) << (4 * (e & 7));
+      }
+    }
+    u32 o[8];
+    decode_pair(cw[0], cw[1], sb, o);
+    store_b_pair<BM>(tile + (long long)(i >> 3) * (BM * 256), row % BM, i & 7, p.lbo, p.sbo, o);
+  }
+}
+
+#define QUANTIZE_ACT_KERNEL(BM)                                                                 \
+  extern "C" __global__ void __launch_bounds__(QUANT_THREADS)                                  \
+      w4a4_quantize_act_m##BM(const Params p) {                                                 \
+    quantize_act_image<BM>(p);                                                                  \
+  }
+QUANTIZE_ACT_KERNEL(32)
+QUANTIZE_ACT_KERNEL(64)
+QUANTIZE_ACT_KERNEL(128)
+QUANTIZE_ACT_KERNEL(256)
 // ---- Small M, streamed: a persistent grid over (weight tile, fold chunk) units ----
 //
 // Same K order and fold as above. The work is U = N tiles x fold chunks units of 64 weight rows x

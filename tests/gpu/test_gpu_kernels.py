@@ -577,3 +577,58 @@ def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
                 want = nvfp4_gemm(a, w, bias, out_dtype=out)
                 got = fold_partials(parts, a.decode_scale, w.decode_scale, bias, out)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (m, cuts, out)
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The activation pass that quantizes BF16 rows itself (w4a4_linear at 16 < M <= 256 on the
+    image-reading CUDA kernels) gives the bits of the quantizer followed by nvfp4_gemm: every
+    input kind (ties, subnormal and saturated block scales, NaN/Inf/zero rows), bias, three
+    output types, strided rows, N and K off the tile sizes; it serves where it should, and
+    replays in CUDA graphs."""
+    from minite_kernels import quantized_rows_gemm
+    from minite_kernels import w4a4_gemm_cuda as cu
+
+    if mode == "1":
+        monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
+    served = set()
+    shapes = ((5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024))
+    for i, (n, k) in enumerate(shapes):
+        w = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(50 + i)).cuda().bfloat16()
+        for m in (1, 16, 17, 40, 64, 129, 256, 300, 1024):
+            kind = ("normal", "heavy", "blocks", "ties", "specials")[(m + i) % 5]
+            wide = torch.zeros(m, k + 16, dtype=torch.bfloat16, device="cuda")
+            x = wide[:, :k].copy_(_as_dtype(_make(kind, m, k, m + i).cuda(), torch.bfloat16))
+            a = quantize_nvfp4(x)
+            for out, b in ((torch.bfloat16, None), (torch.float32, bias), (torch.float16, bias)):
+                got = quantized_rows_gemm(x, w, b, out)
+                plan = cu.rows_plan(x, w, out)
+                assert (got is None) == (plan is None), (n, k, m)
+                assert plan is None or 16 < m <= cu.ROWS_MAX_M, (n, k, m)
+                if got is None:
+                    continue
+                served.add(plan.family)
+                want = nvfp4_gemm(a, w, b, out_dtype=out)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, out)
+            y = w4a4_linear(x, w)  # the public path (fused where served), rows batch-invariant
+            assert torch.equal(y.view(torch.int16), nvfp4_gemm(a, w).view(torch.int16))
+            assert torch.equal(w4a4_linear(x[:1], w).view(torch.int16), y[:1].view(torch.int16))
+    assert {"wide", "ws"} <= served, served
+    if mode == "1":
+        assert "mid" in served, served
+    # captured: the pass quantizes the rows written before each replay
+    w = quantize_nvfp4(_make("normal", 5120, 2048, 60).cuda(), amax="tensor", block_2d=True)
+    x = torch.zeros(64, 2048, dtype=torch.bfloat16, device="cuda")
+    assert cu.rows_plan(x, w, torch.bfloat16) is not None
+    w4a4_linear(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a4_linear(x, w)
+    for kind in ("normal", "specials"):
+        x.copy_(_as_dtype(_make(kind, 64, 2048, 61).cuda(), torch.bfloat16))
+        graph.replay()
+        want = nvfp4_gemm(quantize_nvfp4(x), w)
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), kind
