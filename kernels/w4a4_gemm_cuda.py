@@ -691,7 +691,8 @@ def gemm(
 _IMAGE_FAMILIES = ("mid", "ws", "wide")
 #: The most rows :func:`gemm_rows` quantizes in the image pass: one CTA per row reads it twice
 #: (amax, then codes); on the H200 that measured 1.02-1.15x the quantize-then-decode pair at
-#: M = 32-64, even at M = 128-256, and 0.96-1.0x at M = 512-1024 (benchmarks/NOTES_kernels.md).
+#: M = 32-64, 0.96-1.07x at M = 128-256 (about even; 0.99x on N = K = 8192 at 256) and 0.96-1.0x
+#: at M = 512-1024 (benchmarks/NOTES_kernels.md).
 ROWS_MAX_M = 256
 
 
