@@ -222,14 +222,19 @@ def _broken(index: int) -> str | None:
 
 def serves(a, w, y: torch.Tensor) -> bool:
     """Whether this GEMM goes to the CUDA C++ kernel (the mode, the shape, the device)."""
-    mode = cuda_jit.mode()
     ws, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
-    if mode == "off" or not supports(a, w, y, ws, streamed, wide):
+    if cuda_jit.mode() == "off" or not supports(a, w, y, ws, streamed, wide):
         return False
-    if not available(a.codes.device):
+    return _chosen(a.rows, w, a.codes.device, ws, streamed, wide)
+
+
+def _chosen(m: int, w, device: torch.device, ws: bool, streamed: bool, wide: bool) -> bool:
+    """For an M-row GEMM against ``w`` that the kernels can serve: whether the mode sends it to
+    them (not off; the kernels loaded on ``device``; ``auto``: where :func:`preferred`)."""
+    mode = cuda_jit.mode()
+    if mode == "off" or not available(device):
         return False
-    sms = _sms(a.codes.device)
-    return mode == "on" or preferred(a.rows, w.rows, w.cols, sms, ws, streamed, wide)
+    return mode == "on" or preferred(m, w.rows, w.cols, _sms(device), ws, streamed, wide)
 
 
 def preferred(
@@ -713,10 +718,8 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     activation image (:data:`_IMAGE_FAMILIES`), 16 < M <= :data:`ROWS_MAX_M`, and ``x`` is BF16
     [M, K] with 16-byte aligned rows; else None."""
     m, k = x.shape
-    mode = cuda_jit.mode()
     if (
-        mode == "off"
-        or not SMALL_MAX_M < m <= ROWS_MAX_M
+        not SMALL_MAX_M < m <= ROWS_MAX_M
         or x.dtype != torch.bfloat16
         or not _rows_16b(x)
         or k % 16
@@ -725,14 +728,12 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
         or out_dtype not in _OUT_KINDS
         or w.codes.stride(0) % 8
         or w.codes.data_ptr() % 8
-        or not available(x.device)
     ):
         return None
-    ws, streamed, wide = ws_fits(w), _stream_weight_fits(w), _wide_weight_fits(m, w)
-    sms = _sms(x.device)
-    if mode == "auto" and not preferred(m, w.rows, k, sms, ws, streamed, wide):
+    ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # M > 16: never the streamed kernel
+    if not _chosen(m, w, x.device, ws, False, wide):
         return None
-    how = plan(m, w.rows, k, sms, ws=ws, stream=streamed, wide=wide)
+    how = plan(m, w.rows, k, _sms(x.device), ws=ws, wide=wide)
     return how if how is not None and how.family in _IMAGE_FAMILIES else None
 
 

@@ -248,7 +248,7 @@ def w4a4_linear(
         y = parallel.row_parallel_gemm(a, w, bias, x.dtype, tp_group, where)
     else:
         y = None
-        if row_amax is None and recipe.activation_amax == "row" and kernel_arch(x2.device):
+        if row_amax is None and recipe.activation_amax == "row":
             # where a kernel quantizes the rows in its activation pass: one launch fewer, same bits
             y = minite_kernels.quantized_rows_gemm(x2, w, bias, x.dtype)
         if y is None:
