@@ -275,7 +275,7 @@ def _check_quantize() -> None:
 
 def _check_quantize_bf16_words() -> None:
     """The BF16 per-row kernel (int32 words, ``_quantize_bf16_rows_kernel``) against the torch
-    reference: one-row and multi-row tiles, K not a power of two, given row amax, NaN/Inf/-0 and
+    reference: a row and many rows, K not a power of two, given row amax, NaN/Inf/-0 and
     ties of the E2M1 grid, and views it must decline (odd offset or stride: generic kernel)."""
     import minite_kernels.nvfp4_quantize as q
 

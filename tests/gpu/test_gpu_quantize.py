@@ -189,8 +189,8 @@ def test_no_recompilation_when_row_counts_change():
         g._grad_amax_kernel,
         g._grad_qdq_kernel,
     )
-    run(17)  # one row per program (<= 256 rows)
-    run(300)  # several rows per program
+    run(17)  # a few rows (<= 256: the BF16-rows kernel at 8 warps)
+    run(300)  # more rows
     before = [_compiled(k) for k in kernels]
     for rows in (1, 16, 33, 256, 301, 512, 4097):
         run(rows)
