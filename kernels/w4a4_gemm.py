@@ -435,6 +435,10 @@ def _check_operands(a, w, bias: torch.Tensor | None) -> None:
     for t in (a, w):
         if t.codes.stride(1) != 1 or t.scales.stride(1) != 1:
             raise ValueError("W4A4 GEMM: codes and scales must be row-contiguous")
+    _check_bias(w, bias)
+
+
+def _check_bias(w, bias: torch.Tensor | None) -> None:
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.rows):
         raise ValueError(f"W4A4 GEMM: bias must be [{w.rows}], got {list(bias.shape)}")
 
@@ -527,8 +531,7 @@ def quantized_rows_gemm_sm90(
     caller quantizes and calls :func:`nvfp4_gemm_sm90`. The same bits either way."""
     if x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"W4A4 GEMM: x must be [M, {w.cols}], got {list(x.shape)}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.rows):
-        raise ValueError(f"W4A4 GEMM: bias must be [{w.rows}], got {list(bias.shape)}")
+    _check_bias(w, bias)
     how = w4a4_gemm_cuda.rows_plan(x, w, out_dtype)
     if how is None:
         return None

@@ -288,7 +288,7 @@ def supports(
     """Whether these operands fit the kernel (rows, K, alignment, output dtype; ``ws`` /
     ``streamed`` / ``wide``: the results of :func:`ws_fits` / :func:`stream_fits` /
     :func:`wide_fits`, computed when None)."""
-    aligned = all(c.stride(0) % 8 == 0 and c.data_ptr() % 8 == 0 for c in (a.codes, w.codes))
+    aligned = _rows_8b(a.codes) and _rows_8b(w.codes)
     ws = ws_fits(w) if ws is None else ws
     streamed = stream_fits(a, w) if streamed is None else streamed
     wide = wide_fits(a, w) if wide is None else wide
@@ -314,6 +314,11 @@ def stream_fits(a, w) -> bool:
     256-element K slices (K % 256 == 0; codes and scales 16-byte aligned, rows too) and a
     tile counter per 64 weight rows."""
     return _stream_weight_fits(w) and all(_rows_16b(t) for t in (a.codes, a.scales))
+
+
+def _rows_8b(codes: torch.Tensor) -> bool:
+    """Whether rows of uint8 ``codes`` start 8-byte aligned (the kernels' code-word pairs)."""
+    return codes.stride(0) % 8 == 0 and codes.data_ptr() % 8 == 0
 
 
 def _rows_16b(t: torch.Tensor) -> bool:
@@ -726,8 +731,7 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
         or k != w.cols
         or x.device != w.codes.device
         or out_dtype not in _OUT_KINDS
-        or w.codes.stride(0) % 8
-        or w.codes.data_ptr() % 8
+        or not _rows_8b(w.codes)
     ):
         return None
     ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # M > 16: never the streamed kernel
