@@ -91,6 +91,9 @@ _WIDE_BLOCK_MS = (32, 64, 128)
 WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
+#: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
+_WIDE_C2_BYTES = 225280
+_WIDE = ("wide", "wide_c2")
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M); the
 #: per-chunk costs of 64 and 128 refitted to 27 points after two chains in flight): per
@@ -141,7 +144,9 @@ class Plan(NamedTuple):
     count (the cluster size, small M), the (consumer) warpgroups per CTA (mid M, wide M) and the
     producer warpgroups (wide M)."""
 
-    family: str  # "small", "mid", "ws" / "wide" (wide M: shared / register A), "stream" (small M)
+    # "small", "mid", "ws" / "wide" (wide M: shared / register A; "wide_c2": register A, K split
+    # over a two-CTA cluster), "stream" (small M)
+    family: str
     block_m: int
     per_split: int
     splits: int
@@ -156,6 +161,8 @@ class Plan(NamedTuple):
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family == "wide":
             return f"w4a4_wide_n{self.block_m}"
+        if self.family == "wide_c2":
+            return f"w4a4_wide_c2_n{self.block_m}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -165,7 +172,7 @@ class Plan(NamedTuple):
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def threads(self) -> int:
-        if self.family in ("stream", "wide"):  # and one producer warpgroup
+        if self.family in ("stream", "wide", "wide_c2"):  # and one producer warpgroup
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
@@ -181,6 +188,11 @@ class Plan(NamedTuple):
         if self.family == "wide":  # stages (weight codes, activation chunk), barriers, a flag
             stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
             return min(8, _WIDE_RING_BYTES // stage) * (stage + 16) + 16
+        if self.family == "wide_c2":  # the same, the slots' barriers, the slots (WideShape)
+            stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
+            slots, slot = (1 if self.block_m >= 128 else 2), self.block_m * 512
+            stages = min(8, (_WIDE_C2_BYTES - slots * slot) // stage)
+            return stages * (stage + 16) + 16 + slots * (16 + slot)
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -205,7 +217,7 @@ def _kernel_names() -> list[str]:
         for w in _STREAM_WARPGROUPS
         for units in (False, True)
     ]
-    gemms += [Plan("wide", b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS]
+    gemms += [Plan(f, b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS for f in _WIDE]
     image_ms = _MID_BLOCK_MS + _WS_BLOCK_MS
     return gemms + [f"w4a4_{pass_}_act_m{b}" for b in image_ms for pass_ in ("decode", "quantize")]
 
@@ -679,7 +691,7 @@ def gemm(
             f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
             "K % 256 == 0 and 16-byte aligned codes and scales"
         )
-    if how.family == "wide" and not wide:
+    if how.family in _WIDE and not wide:
         raise ValueError(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
             "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
@@ -693,7 +705,7 @@ def gemm(
 
 
 #: The kernel families that read the activation as a decoded image, made by a launch before theirs.
-_IMAGE_FAMILIES = ("mid", "ws", "wide")
+_IMAGE_FAMILIES = ("mid", "ws", "wide", "wide_c2")
 #: The most rows :func:`gemm_rows` quantizes in the image pass: one CTA per row reads it twice
 #: (amax, then codes); on the H200 that measured 1.02-1.15x the quantize-then-decode pair at
 #: M = 32-64, 0.96-1.07x at M = 128-256 (about even; 0.99x on N = K = 8192 at 256) and 0.96-1.0x
@@ -765,7 +777,7 @@ def _launch(
     ww = code_words(w.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
-    rows = WIDE_ROWS if how.family == "wide" else ROWS  # weight rows per CTA
+    rows = WIDE_ROWS if how.family in _WIDE else ROWS  # weight rows per CTA
     n_tiles, m_tiles = triton.cdiv(n, rows), triton.cdiv(m, how.block_m)
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
@@ -805,7 +817,7 @@ def _launch(
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
-        z = how.splits if how.family == "wide" else 1
+        z = how.splits if how.family in _WIDE else 1
         if act.scales is None:  # one CTA per image row quantizes it
             quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
             quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)
