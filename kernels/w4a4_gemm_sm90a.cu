@@ -1769,7 +1769,8 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
 #pragma unroll
   for (int e = 0; e < BN / 2; ++e) acc.d[e] = 0.f;
   // split K: partial (tile, fold chunk f) as BN / 8 float4 per thread, [f][e][256 threads]
-  float4* slots = (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + ctid;
+  float4* slots = CL == 1 ? (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + ctid
+                          : nullptr;
   u32 a[2][8][4];
   if (q.n > 0) {
     Raw raw;
