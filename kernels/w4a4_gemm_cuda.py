@@ -102,6 +102,9 @@ _WIDE = ("wide", "wide_c2")
 _WIDE_CHUNK_US = {32: 0.57, 64: 0.62, 128: 0.82}
 _WIDE_EPILOGUE_US = {32: 3.0, 64: 4.0, 128: 6.0}
 _WIDE_FOLD_US, _WIDE_PARTIAL_US_PER_MB = 3.0, 0.4
+#: The two-CTA-cluster variant (``wide_c2``; fitted to 14 measured (shape, tile) points on one
+#: wave, within 0.93-1.06x of them): a start-up and a cost per partial handed over, by tile.
+_WIDE_C2_US, _WIDE_C2_HAND_OVER_US = 1.1, {32: 0.43, 64: 0.73, 128: 1.35}
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.
 MAX_SPLIT_TILES = 1 << 16
 
@@ -362,46 +365,67 @@ def _wide_weight_fits(m: int, w) -> bool:
     )
 
 
-def wide_us(m: int, n: int, k: int, sms: int, block_m: int, splits: int) -> float:
-    """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``)."""
+def wide_us(
+    m: int, n: int, k: int, sms: int, block_m: int, splits: int, cluster: bool = False
+) -> float:
+    """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``);
+    ``cluster``: K split over two-CTA clusters (``splits`` 2, one wave of CTAs) instead of over
+    CTAs that fold through a workspace."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
     n_folds = triton.cdiv(k, FOLD)
     chunks = min(triton.cdiv(n_folds, splits) * (FOLD // CHUNK), triton.cdiv(k, CHUNK))
     t = triton.cdiv(tiles * splits, sms) * chunks * _WIDE_CHUNK_US[block_m]
     t += _WIDE_EPILOGUE_US[block_m]
-    if splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
+    if cluster:  # the second CTA hands each of its fold chunks' partials to the first
+        t += _WIDE_C2_US + _WIDE_C2_HAND_OVER_US[block_m] * (n_folds // 2)
+    elif splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
         partial_mb = tiles * (n_folds - n_folds // splits) * WIDE_ROWS * block_m * 4 / 1e6
         t += _WIDE_FOLD_US + _WIDE_PARTIAL_US_PER_MB * partial_mb
     return t
 
 
 def wide_plan(
-    m: int, n: int, k: int, sms: int, block_m: int | None = None, splits: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    sms: int,
+    block_m: int | None = None,
+    splits: int | None = None,
+    cluster: bool | None = None,
 ) -> Plan | None:
     """The register-A wide-M kernel's plan (K % 128 == 0): batch tile ``block_m`` and K split
-    over fold chunks ``splits``, each by default the least modelled time (:func:`wide_us`) among
-    the tiles measured for such M (32 up to M = 32, 64 up to 64, else 64 or 128) and the split
-    counts whose grid fits one wave."""
+    over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, each by
+    default the least modelled time (:func:`wide_us`) among the tiles measured for such M (32 up
+    to M = 32, 64 up to 64, else 64 or 128) and the splits whose grid fits one wave."""
     n_folds = triton.cdiv(k, FOLD)
     if (
         k % CHUNK
         or block_m not in (None, *_WIDE_BLOCK_MS)
         or splits not in (None, *range(1, n_folds + 1))
+        or (cluster and (splits not in (None, 2) or n_folds < 2))
     ):
         return None
     if block_m is not None:
         tiles = (block_m,)
     else:
         tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
-    options = [
-        (wide_us(m, n, k, sms, b, s), b, s)
-        for b in tiles
-        for s in ([splits] if splits is not None else range(1, n_folds + 1))
-        # split K within one wave (as measured): later waves would wait on the partials' traffic
-        if splits is not None or s == 1 or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
-    ]
-    _, bm, s = min(options)
-    return Plan("wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
+    options = []
+    for b in tiles:
+        one_wave = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * 2 <= sms
+        if cluster or (cluster is None and splits is None and n_folds >= 2 and one_wave):
+            options.append((wide_us(m, n, k, sms, b, 2, cluster=True), b, 2, True))
+        if cluster:
+            continue
+        for s in [splits] if splits is not None else range(1, n_folds + 1):
+            # split K within one wave (as measured): later waves would wait on the partials
+            if (
+                splits is not None
+                or s == 1
+                or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
+            ):
+                options.append((wide_us(m, n, k, sms, b, s), b, s, False))
+    _, bm, s, in_cluster = min(options)
+    return Plan("wide_c2" if in_cluster else "wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
 
 
 @functools.cache
@@ -425,7 +449,7 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     ws = _ws_plan(m, n, sms)
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
-    return wide_us(m, n, k, sms, how.block_m, how.splits) <= ws_us
+    return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2") <= ws_us
 
 
 def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None) -> Plan | None:

@@ -1464,14 +1464,17 @@ STREAM_KERNEL(16, 3)
 
 // CL = 1: split K over gridDim.z with a global workspace (above). CL = 2: the two CTAs of a
 // thread-block cluster share a tile, CTA z taking the fold chunks f with f % 2 == z; the second
-// hands each fold chunk's partial to the first through its shared memory (SLOTS slots), which
-// folds them in chunk order between its own: no workspace, no counter, the fold overlapped.
+// hands each fold chunk's partial to the first (a bulk copy per warp between the CTAs' shared
+// memories, SLOTS slots), which folds it in chunk order between its own: no workspace, no
+// counter, the fold overlapped. (Remote stores from the threads instead measured 2-3x the
+// hand-over's cost: each warp waited for the cluster network, H200, 2026-12-04.)
 template <int BN, int CL>
 struct WideShape {
   static constexpr int W_BYTES = WR_ROWS * WR_STRIDE;
   static constexpr int A_BYTES = BN * 256;
   static constexpr int STAGE = W_BYTES + A_BYTES;
   static constexpr int SLOT_BYTES = BN * 512;  // 256 consumer threads x BN / 2 floats
+  static constexpr int PIECE_BYTES = SLOT_BYTES / 8;  // a consumer warp's share, [e][lane]
   static constexpr int SLOTS = CL == 1 ? 0 : (BN >= 128 ? 1 : 2);
   static constexpr int RING_BYTES = CL == 1 ? 204800 : 225280 - SLOTS * SLOT_BYTES;
   static constexpr int STAGES = RING_BYTES / STAGE < 8 ? RING_BYTES / STAGE : 8;  // w4a4_gemm_cuda.py
@@ -1569,56 +1572,80 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
   }
 }
 
-// Cluster barriers on a CTA's slot barriers (CL = 2): the first CTA's "full" ones, the second's
-// "empty" ones, each arrived at from the other CTA.
+// Cluster helpers (CL = 2): an address in a cluster CTA's shared memory, an arrival on a barrier
+// there, a barrier of all the cluster's threads.
 __device__ __forceinline__ u32 cluster_addr(u32 local, u32 rank) {
   u32 remote;
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   return remote;
 }
 __device__ __forceinline__ void mbar_arrive_remote(u32 cluster_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAITC:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAITC;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
 }
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
                    : "memory");
 }
 
+// The second CTA of a cluster pair hands its k-th partial (fold chunk 2k + 1) to the first: each
+// consumer warp stores its piece into its own slot k % SLOTS (once the first has read that slot's
+// previous partial, whose copy from here is then done too) and copies it with one bulk copy into
+// the same place of the first's slot, completing its bytes on the first's full barrier.
+template <int BN>
+__device__ __forceinline__ void wide_hand_over(u32 base, int k, int ctid, const Acc<BN>& part) {
+  using S = WideShape<BN, 2>;
+  const int slot = k % S::SLOTS;
+  const u32 piece = base + S::SLOTS_AT + slot * S::SLOT_BYTES + (ctid >> 5) * S::PIECE_BYTES;
+  mbar_wait(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), ((k / S::SLOTS) & 1) ^ 1);
+#pragma unroll
+  for (int e = 0; e < BN / 8; ++e)  // [e][lane] float4
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(piece + 512 * e +
+                                                                16 * (ctid & 31)),
+                 "f"(part.d[4 * e]), "f"(part.d[4 * e + 1]), "f"(part.d[4 * e + 2]),
+                 "f"(part.d[4 * e + 3])
+                 : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the bulk copy
+  __syncwarp();
+  if ((ctid & 31) == 0)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(cluster_addr(piece, 0)),
+        "r"(piece), "n"(S::PIECE_BYTES), "r"(cluster_addr(base + S::SLOT_BARS + 8 * slot, 0))
+        : "memory");
+}
+
 // The first CTA of a cluster pair folds the second's k-th partial (fold chunk 2k + 1) from
-// slot k % SLOTS into acc, then frees the slot (an arrival on the second CTA's empty barrier).
+// slot k % SLOTS into acc, re-arms the slot's full barrier for its next phase (thread 0) and frees
+// the slot (one arrival per warp on the second CTA's empty barrier).
 template <int BN>
 __device__ __forceinline__ void wide_fold_slot(u32 base, int k, int ctid, Acc<BN>& acc,
                                                const unsigned char* smem) {
   using S = WideShape<BN, 2>;
   const int slot = k % S::SLOTS;
-  mbar_wait_cluster(base + S::SLOT_BARS + 8 * slot, (k / S::SLOTS) & 1);
-  const float4* src = (const float4*)(smem + S::SLOTS_AT + slot * S::SLOT_BYTES) + ctid;
+  const u32 full = base + S::SLOT_BARS + 8 * slot;
+  mbar_wait(full, (k / S::SLOTS) & 1);
+  if (ctid == 0) mbar_expect_tx(full, S::SLOT_BYTES);
+  const float4* src = (const float4*)(smem + S::SLOTS_AT + slot * S::SLOT_BYTES +
+                                      (ctid >> 5) * S::PIECE_BYTES) + (ctid & 31);
 #pragma unroll
   for (int e = 0; e < BN / 8; ++e) {
-    const float4 v = src[e * 256];
+    const float4 v = src[e * 32];
     acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v.x);
     acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v.y);
     acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v.z);
     acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v.w);
   }
-  mbar_arrive_remote(cluster_addr(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), 1));
+  __syncwarp();
+  if ((ctid & 31) == 0)
+    mbar_arrive_remote(cluster_addr(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), 1));
 }
 
 // Consumer step of sequence chunk i (fragments in a[P]), two chains in flight: chain i is issued
 // while chain i - 1 may still run (unless i - 1 ended a fold chunk), then chain i - 1 is awaited
 // (its stage released) and chunk i + 1 decoded into its fragments a[P ^ 1]; at a fold chunk's
 // end chain i is awaited and folded: CL = 1, split 0: the prefix in `acc`, other splits: the
-// partial to the workspace; CL = 2, first CTA: the second's partials that precede it from the
-// slots, then its own; second CTA: the partial into the first's slot.
+// partial to the workspace; CL = 2, first CTA: the second's partial that precedes it from its
+// slot, then its own; second CTA: the partial handed to the first.
 template <int BN, int CL, int P>
 __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* smem, u32 base,
                                           u32 bars, int i, const WideSeq& q, int r0, int t,
@@ -1644,20 +1671,14 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
   fence_acc(part);
   mbar_arrive(bars + 8 * (S::STAGES + s));  // the chain and the code reads of stage s are done
   const int f = q.fold(i);
-  if (CL == 2 && q.f_begin == 1) {  // the second CTA: its k-th partial into the first's slot
-    const int k = f / 2, slot = k % S::SLOTS;
-    mbar_wait_cluster(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), ((k / S::SLOTS) & 1) ^ 1);
-    const u32 dst = cluster_addr(base + S::SLOTS_AT + slot * S::SLOT_BYTES + 16 * ctid, 0);
-#pragma unroll
-    for (int e = 0; e < BN / 8; ++e)
-      asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(dst + 4096 * e),
-                   "f"(part.d[4 * e]), "f"(part.d[4 * e + 1]), "f"(part.d[4 * e + 2]),
-                   "f"(part.d[4 * e + 3])
-                   : "memory");
-    mbar_arrive_remote(cluster_addr(base + S::SLOT_BARS + 8 * slot, 0));
-    return;
+  if constexpr (CL == 2) {
+    if (q.f_begin == 1) {  // the second CTA: its partial to the first
+      wide_hand_over<BN>(base, f / 2, ctid, part);
+      return;
+    }
+    // the first CTA: the second's partial of the fold chunk before this one, then its own
+    if (f > 0) wide_fold_slot<BN>(base, f / 2 - 1, ctid, acc, smem);
   }
-  if (CL == 2 && f > 0) wide_fold_slot<BN>(base, f / 2 - 1, ctid, acc, smem);
   if (CL == 2 || q.f_begin == 0) {  // the prefix from fold chunk 0 on
 #pragma unroll
     for (int e = 0; e < BN / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], part.d[e]);
@@ -1742,8 +1763,14 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
       mbar_init(bars + 8 * s, 129);                // each producer thread's copies + the bulk copy
       mbar_init(bars + 8 * (S::STAGES + s), 256);  // every consumer thread
     }
-    for (int s = 0; s < 2 * S::SLOTS; ++s)  // the other CTA's 256 consumer threads
-      mbar_init(base + S::SLOT_BARS + 8 * s, 256);
+    for (int s = 0; s < S::SLOTS; ++s) {
+      // full: the first CTA's own arrival with the slot's bytes, which the second CTA's st.async
+      // complete; empty: the first CTA's eight consumer warps, one arrival each
+      mbar_init(base + S::SLOT_BARS + 8 * s, 1);
+      mbar_init(base + S::SLOT_BARS + 8 * (S::SLOTS + s), 8);
+    }
+    if (CL == 2 && blockIdx.z == 0)
+      for (int s = 0; s < S::SLOTS; ++s) mbar_expect_tx(base + S::SLOT_BARS + 8 * s, S::SLOT_BYTES);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (CL == 1)
@@ -1794,7 +1821,7 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
-  if (CL == 2) {
+  if constexpr (CL == 2) {
     if (z == 0) {
       if (n_folds % 2 == 0) wide_fold_slot<BN>(base, n_folds / 2 - 1, ctid, acc, smem);
       wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
