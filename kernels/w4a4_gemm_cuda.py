@@ -91,6 +91,9 @@ _WIDE_BLOCK_MS = (32, 64, 128)
 WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
+#: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
+_WIDE_C2_BYTES = 225280
+_WIDE = ("wide", "wide_c2")
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M); the
 #: per-chunk costs of 64 and 128 refitted to 27 points after two chains in flight): per
@@ -99,6 +102,9 @@ _WIDE_RING_BYTES = 204800
 _WIDE_CHUNK_US = {32: 0.57, 64: 0.62, 128: 0.82}
 _WIDE_EPILOGUE_US = {32: 3.0, 64: 4.0, 128: 6.0}
 _WIDE_FOLD_US, _WIDE_PARTIAL_US_PER_MB = 3.0, 0.4
+#: The two-CTA-cluster variant (``wide_c2``; fitted to 14 measured (shape, tile) points on one
+#: wave, within 0.93-1.06x of them): a start-up and a cost per partial handed over, by tile.
+_WIDE_C2_US, _WIDE_C2_HAND_OVER_US = 1.1, {32: 0.43, 64: 0.73, 128: 1.35}
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.
 MAX_SPLIT_TILES = 1 << 16
 
@@ -141,7 +147,9 @@ class Plan(NamedTuple):
     count (the cluster size, small M), the (consumer) warpgroups per CTA (mid M, wide M) and the
     producer warpgroups (wide M)."""
 
-    family: str  # "small", "mid", "ws" / "wide" (wide M: shared / register A), "stream" (small M)
+    # "small", "mid", "ws" / "wide" (wide M: shared / register A; "wide_c2": register A, K split
+    # over a two-CTA cluster), "stream" (small M)
+    family: str
     block_m: int
     per_split: int
     splits: int
@@ -156,6 +164,8 @@ class Plan(NamedTuple):
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family == "wide":
             return f"w4a4_wide_n{self.block_m}"
+        if self.family == "wide_c2":
+            return f"w4a4_wide_c2_n{self.block_m}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -165,7 +175,7 @@ class Plan(NamedTuple):
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def threads(self) -> int:
-        if self.family in ("stream", "wide"):  # and one producer warpgroup
+        if self.family in ("stream", "wide", "wide_c2"):  # and one producer warpgroup
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
@@ -181,6 +191,11 @@ class Plan(NamedTuple):
         if self.family == "wide":  # stages (weight codes, activation chunk), barriers, a flag
             stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
             return min(8, _WIDE_RING_BYTES // stage) * (stage + 16) + 16
+        if self.family == "wide_c2":  # the same, the slots' barriers, the slots (WideShape)
+            stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
+            slots, slot = (1 if self.block_m >= 128 else 2), self.block_m * 512
+            stages = min(8, (_WIDE_C2_BYTES - slots * slot) // stage)
+            return stages * (stage + 16) + 16 + slots * (16 + slot)
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -205,7 +220,7 @@ def _kernel_names() -> list[str]:
         for w in _STREAM_WARPGROUPS
         for units in (False, True)
     ]
-    gemms += [Plan("wide", b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS]
+    gemms += [Plan(f, b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS for f in _WIDE]
     image_ms = _MID_BLOCK_MS + _WS_BLOCK_MS
     return gemms + [f"w4a4_{pass_}_act_m{b}" for b in image_ms for pass_ in ("decode", "quantize")]
 
@@ -355,46 +370,67 @@ def _wide_weight_fits(m: int, w) -> bool:
     )
 
 
-def wide_us(m: int, n: int, k: int, sms: int, block_m: int, splits: int) -> float:
-    """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``)."""
+def wide_us(
+    m: int, n: int, k: int, sms: int, block_m: int, splits: int, cluster: bool = False
+) -> float:
+    """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``);
+    ``cluster``: K split over two-CTA clusters (``splits`` 2, one wave of CTAs) instead of over
+    CTAs that fold through a workspace."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
     n_folds = triton.cdiv(k, FOLD)
     chunks = min(triton.cdiv(n_folds, splits) * (FOLD // CHUNK), triton.cdiv(k, CHUNK))
     t = triton.cdiv(tiles * splits, sms) * chunks * _WIDE_CHUNK_US[block_m]
     t += _WIDE_EPILOGUE_US[block_m]
-    if splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
+    if cluster:  # the second CTA hands each of its fold chunks' partials to the first
+        t += _WIDE_C2_US + _WIDE_C2_HAND_OVER_US[block_m] * (n_folds // 2)
+    elif splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
         partial_mb = tiles * (n_folds - n_folds // splits) * WIDE_ROWS * block_m * 4 / 1e6
         t += _WIDE_FOLD_US + _WIDE_PARTIAL_US_PER_MB * partial_mb
     return t
 
 
 def wide_plan(
-    m: int, n: int, k: int, sms: int, block_m: int | None = None, splits: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    sms: int,
+    block_m: int | None = None,
+    splits: int | None = None,
+    cluster: bool | None = None,
 ) -> Plan | None:
     """The register-A wide-M kernel's plan (K % 128 == 0): batch tile ``block_m`` and K split
-    over fold chunks ``splits``, each by default the least modelled time (:func:`wide_us`) among
-    the tiles measured for such M (32 up to M = 32, 64 up to 64, else 64 or 128) and the split
-    counts whose grid fits one wave."""
+    over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, each by
+    default the least modelled time (:func:`wide_us`) among the tiles measured for such M (32 up
+    to M = 32, 64 up to 64, else 64 or 128) and the splits whose grid fits one wave."""
     n_folds = triton.cdiv(k, FOLD)
     if (
         k % CHUNK
         or block_m not in (None, *_WIDE_BLOCK_MS)
         or splits not in (None, *range(1, n_folds + 1))
+        or (cluster and (splits not in (None, 2) or n_folds < 2))
     ):
         return None
     if block_m is not None:
         tiles = (block_m,)
     else:
         tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
-    options = [
-        (wide_us(m, n, k, sms, b, s), b, s)
-        for b in tiles
-        for s in ([splits] if splits is not None else range(1, n_folds + 1))
-        # split K within one wave (as measured): later waves would wait on the partials' traffic
-        if splits is not None or s == 1 or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
-    ]
-    _, bm, s = min(options)
-    return Plan("wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
+    options = []
+    for b in tiles:
+        one_wave = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * 2 <= sms
+        if cluster or (cluster is None and splits is None and n_folds >= 2 and one_wave):
+            options.append((wide_us(m, n, k, sms, b, 2, cluster=True), b, 2, True))
+        if cluster:
+            continue
+        for s in [splits] if splits is not None else range(1, n_folds + 1):
+            # split K within one wave (as measured): later waves would wait on the partials
+            if (
+                splits is not None
+                or s == 1
+                or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
+            ):
+                options.append((wide_us(m, n, k, sms, b, s), b, s, False))
+    _, bm, s, in_cluster = min(options)
+    return Plan("wide_c2" if in_cluster else "wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
 
 
 @functools.cache
@@ -418,7 +454,7 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     ws = _ws_plan(m, n, sms)
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
-    return wide_us(m, n, k, sms, how.block_m, how.splits) <= ws_us
+    return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2") <= ws_us
 
 
 def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None) -> Plan | None:
@@ -684,7 +720,7 @@ def gemm(
             f"the streamed CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs M <= {how.block_m}, "
             "K % 256 == 0 and 16-byte aligned codes and scales"
         )
-    if how.family == "wide" and not wide:
+    if how.family in _WIDE and not wide:
         raise ValueError(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
             "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
@@ -698,7 +734,7 @@ def gemm(
 
 
 #: The kernel families that read the activation as a decoded image, made by a launch before theirs.
-_IMAGE_FAMILIES = ("mid", "ws", "wide")
+_IMAGE_FAMILIES = ("mid", "ws", "wide", "wide_c2")
 #: The most rows :func:`gemm_rows` quantizes in the image pass: one CTA per row reads it twice
 #: (amax, then codes); on the H200 that measured 1.02-1.15x the quantize-then-decode pair at
 #: M = 32-64, 0.96-1.07x at M = 128-256 (about even; 0.99x on N = K = 8192 at 256) and 0.96-1.0x
@@ -769,7 +805,7 @@ def _launch(
     ww = code_words(w.codes)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
-    rows = WIDE_ROWS if how.family == "wide" else ROWS  # weight rows per CTA
+    rows = WIDE_ROWS if how.family in _WIDE else ROWS  # weight rows per CTA
     n_tiles, m_tiles = triton.cdiv(n, rows), triton.cdiv(m, how.block_m)
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
@@ -809,7 +845,7 @@ def _launch(
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
-        z = how.splits if how.family == "wide" else 1
+        z = how.splits if how.family in _WIDE else 1
         if act.scales is None:  # one CTA per image row quantizes it
             quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
             quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)

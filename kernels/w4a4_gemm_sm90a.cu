@@ -1462,12 +1462,27 @@ STREAM_KERNEL(16, 3)
 #define WR_ROWS 128   // weight rows per CTA (two consumer warpgroups)
 #define WR_STRIDE 96  // bytes per weight row of a stage: 64 of codes, 8 of scales, padding
 
-template <int BN>
+// CL = 1: split K over gridDim.z with a global workspace (above). CL = 2: the two CTAs of a
+// thread-block cluster share a tile, CTA z taking the fold chunks f with f % 2 == z; the second
+// hands each fold chunk's partial to the first (a bulk copy per warp between the CTAs' shared
+// memories, SLOTS slots), which folds it in chunk order between its own: no workspace, no
+// counter, the fold overlapped. (Remote stores from the threads instead measured 2-3x the
+// hand-over's cost: each warp waited for the cluster network, H200, 2026-12-04.)
+template <int BN, int CL>
 struct WideShape {
   static constexpr int W_BYTES = WR_ROWS * WR_STRIDE;
   static constexpr int A_BYTES = BN * 256;
   static constexpr int STAGE = W_BYTES + A_BYTES;
-  static constexpr int STAGES = 204800 / STAGE < 8 ? 204800 / STAGE : 8;  // w4a4_gemm_cuda.py
+  static constexpr int SLOT_BYTES = BN * 512;  // 256 consumer threads x BN / 2 floats
+  static constexpr int PIECE_BYTES = SLOT_BYTES / 8;  // a consumer warp's share, [e][lane]
+  static constexpr int SLOTS = CL == 1 ? 0 : (BN >= 128 ? 1 : 2);
+  static constexpr int RING_BYTES = CL == 1 ? 204800 : 225280 - SLOTS * SLOT_BYTES;
+  static constexpr int STAGES = RING_BYTES / STAGE < 8 ? RING_BYTES / STAGE : 8;  // w4a4_gemm_cuda.py
+  // after the stages: full[STAGES], empty[STAGES], a flag (16 bytes), slot full[SLOTS] and
+  // empty[SLOTS] barriers (16 bytes each pair), then the slots
+  static constexpr int BARS = STAGES * STAGE;
+  static constexpr int SLOT_BARS = BARS + 16 * STAGES + 16;
+  static constexpr int SLOTS_AT = SLOT_BARS + 16 * SLOTS;
 };
 
 __device__ __forceinline__ void wgmma(Acc<128>& c, const u32 (&a)[4], u64 desc, int accumulate) {
@@ -1494,23 +1509,39 @@ __device__ __forceinline__ void wide_raw(const unsigned char* stage, int r0, int
   r.s[3] = s0[8 * WR_STRIDE + 4];
 }
 
-// The producer warpgroup: chunk j0 + i into stage i % STAGES. Rows past N are not copied (they only
-// feed outputs that are never stored).
-template <int BN>
-__device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0, int j0,
-                                             int j1, int tid) {
-  using S = WideShape<BN>;
+// A CTA's chunks: its fold chunks f_begin, f_begin + f_step, ... (< n_folds), each's 128-element
+// chunks in order; the i-th is chunk ((i / 4) f_step + f_begin) 4 + i % 4 (every fold chunk but
+// K's last has four).
+struct WideSeq {
+  int f_begin, f_step, n;  // n: chunks in the sequence
+  __device__ __forceinline__ WideSeq(int f_begin_, int f_end, int f_step_, int k_chunks)
+      : f_begin(f_begin_), f_step(f_step_) {
+    const int folds = f_end > f_begin ? (f_end - f_begin + f_step - 1) / f_step : 0;
+    const int last = f_begin + (folds - 1) * f_step;
+    n = folds ? (folds - 1) * FOLD_CHUNKS + min(FOLD_CHUNKS, k_chunks - last * FOLD_CHUNKS) : 0;
+  }
+  __device__ __forceinline__ int fold(int i) const { return (i >> 2) * f_step + f_begin; }
+  __device__ __forceinline__ int chunk(int i) const { return fold(i) * FOLD_CHUNKS + (i & 3); }
+};
+
+// The producer warpgroup: chunk q.chunk(i) into stage i % STAGES. Rows past N are not copied
+// (they only feed outputs that are never stored).
+template <int BN, int CL>
+__device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0,
+                                             const WideSeq& q, int tid) {
+  using S = WideShape<BN, CL>;
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
   // the weight is no previous kernel's output: pull the first chunks into L2 before waiting
   for (int i = 0; i < 4; ++i) {
     const int id = tid + 128 * i, r = id >> 2, col = (id & 3) * 16;
-    if (n0 + r < p.N && j0 < j1)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row + j0 * 64 + col));
+    if (n0 + r < p.N && q.n > 0)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row +
+                                                    q.chunk(0) * 64 + col));
   }
   wait_previous_kernel();
-  for (int j = j0; j < j1; ++j) {
-    const int i = j - j0, s = i % S::STAGES, round = i / S::STAGES;
+  for (int i = 0; i < q.n; ++i) {
+    const int j = q.chunk(i), s = i % S::STAGES, round = i / S::STAGES;
     const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
     const u32 stage = base + s * S::STAGE;
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
@@ -1520,8 +1551,8 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
       bulk_copy(stage + S::W_BYTES, src, S::A_BYTES, full);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // codes: 128 rows x 4 granules
-      const int id = tid + 128 * q, r = id >> 2, col = (id & 3) * 16;
+    for (int c = 0; c < 4; ++c) {  // codes: 128 rows x 4 granules
+      const int id = tid + 128 * c, r = id >> 2, col = (id & 3) * 16;
       if (n0 + r < p.N)
         cp_async16(stage + r * WR_STRIDE + col, w_codes + (n0 + r) * w_row + j * 64 + col);
     }
@@ -1530,50 +1561,129 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
                    "l"(p.w_scales + (n0 + tid) * p.stride_ws + j * 8)
                    : "memory");
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
-    if (j + 8 < j1) {  // keep the weight streaming into L2 ahead of the ring
-      const int r = tid >> 2, col = (tid & 3) * 16;
+    if (i + 8 < q.n) {  // keep the weight streaming into L2 ahead of the ring
+      const int r = tid >> 2, col = (tid & 3) * 16, ahead = q.chunk(i + 8);
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (n0 + r + 32 * q < p.N)
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r + 32 * q) * w_row +
-                                                        (j + 8) * 64 + col));
+      for (int c = 0; c < 4; ++c)
+        if (n0 + r + 32 * c < p.N)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r + 32 * c) * w_row +
+                                                        ahead * 64 + col));
     }
   }
 }
 
-// Consumer step of chunk j (fragments in a[P]), two chains in flight: chain j is issued while
-// chain j - 1 may still run (unless j - 1 ended a fold chunk), then chain j - 1 is awaited (its
-// stage released) and chunk j + 1 decoded into its fragments a[P ^ 1]; at a fold chunk's end
-// chain j is awaited and folded (split 0: the prefix in `acc`) or its partial stored.
-template <int BN, int P>
+// Cluster helpers (CL = 2): an address in a cluster CTA's shared memory, an arrival on a barrier
+// there, a barrier of all the cluster's threads.
+__device__ __forceinline__ u32 cluster_addr(u32 local, u32 rank) {
+  u32 remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ void mbar_arrive_remote(u32 cluster_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+}
+
+// The second CTA of a cluster pair hands its k-th partial (fold chunk 2k + 1) to the first: each
+// consumer warp stores its piece into its own slot k % SLOTS (once the first has read that slot's
+// previous partial, whose copy from here is then done too) and copies it with one bulk copy into
+// the same place of the first's slot, completing its bytes on the first's full barrier.
+template <int BN>
+__device__ __forceinline__ void wide_hand_over(u32 base, int k, int ctid, const Acc<BN>& part) {
+  using S = WideShape<BN, 2>;
+  const int slot = k % S::SLOTS;
+  const u32 piece = base + S::SLOTS_AT + slot * S::SLOT_BYTES + (ctid >> 5) * S::PIECE_BYTES;
+  mbar_wait(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), ((k / S::SLOTS) & 1) ^ 1);
+#pragma unroll
+  for (int e = 0; e < BN / 8; ++e)  // [e][lane] float4
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(piece + 512 * e +
+                                                                16 * (ctid & 31)),
+                 "f"(part.d[4 * e]), "f"(part.d[4 * e + 1]), "f"(part.d[4 * e + 2]),
+                 "f"(part.d[4 * e + 3])
+                 : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the bulk copy
+  __syncwarp();
+  if ((ctid & 31) == 0)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(cluster_addr(piece, 0)),
+        "r"(piece), "n"(S::PIECE_BYTES), "r"(cluster_addr(base + S::SLOT_BARS + 8 * slot, 0))
+        : "memory");
+}
+
+// The first CTA of a cluster pair folds the second's k-th partial (fold chunk 2k + 1) from
+// slot k % SLOTS into acc, re-arms the slot's full barrier for its next phase (thread 0) and frees
+// the slot (one arrival per warp on the second CTA's empty barrier).
+template <int BN>
+__device__ __forceinline__ void wide_fold_slot(u32 base, int k, int ctid, Acc<BN>& acc,
+                                               const unsigned char* smem) {
+  using S = WideShape<BN, 2>;
+  const int slot = k % S::SLOTS;
+  const u32 full = base + S::SLOT_BARS + 8 * slot;
+  mbar_wait(full, (k / S::SLOTS) & 1);
+  if (ctid == 0) mbar_expect_tx(full, S::SLOT_BYTES);
+  const float4* src = (const float4*)(smem + S::SLOTS_AT + slot * S::SLOT_BYTES +
+                                      (ctid >> 5) * S::PIECE_BYTES) + (ctid & 31);
+#pragma unroll
+  for (int e = 0; e < BN / 8; ++e) {
+    const float4 v = src[e * 32];
+    acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v.x);
+    acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v.y);
+    acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v.z);
+    acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v.w);
+  }
+  __syncwarp();
+  if ((ctid & 31) == 0)
+    mbar_arrive_remote(cluster_addr(base + S::SLOT_BARS + 8 * (S::SLOTS + slot), 1));
+}
+
+// Consumer step of sequence chunk i (fragments in a[P]), two chains in flight: chain i is issued
+// while chain i - 1 may still run (unless i - 1 ended a fold chunk), then chain i - 1 is awaited
+// (its stage released) and chunk i + 1 decoded into its fragments a[P ^ 1]; at a fold chunk's
+// end chain i is awaited and folded: CL = 1, split 0: the prefix in `acc`, other splits: the
+// partial to the workspace; CL = 2, first CTA: the second's partial that precedes it from its
+// slot, then its own; second CTA: the partial handed to the first.
+template <int BN, int CL, int P>
 __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* smem, u32 base,
-                                          u32 bars, int j, int j0, int j1, int r0, int t,
-                                          u32 (&a)[2][8][4], Acc<BN>& part, Acc<BN>& acc,
-                                          float4* slots) {
-  using S = WideShape<BN>;
-  const int i = j - j0, s = i % S::STAGES;
+                                          u32 bars, int i, const WideSeq& q, int r0, int t,
+                                          int ctid, u32 (&a)[2][8][4], Acc<BN>& part,
+                                          Acc<BN>& acc, float4* slots) {
+  using S = WideShape<BN, CL>;
+  const int s = i % S::STAGES;
   const u64 desc = smem_desc(base + s * S::STAGE + S::W_BYTES, LBO_BYTES, SBO_BYTES);
-  issue_chunk<BN>(part, a[P], desc, j % FOLD_CHUNKS == 0);
-  if (j % FOLD_CHUNKS != 0) {  // chain j - 1 in flight: await it, release its stage
+  issue_chunk<BN>(part, a[P], desc, (i & 3) == 0);
+  if ((i & 3) != 0) {  // chain i - 1 in flight: await it, release its stage
     wgmma_wait<1>();
     mbar_arrive(bars + 8 * (S::STAGES + (i - 1) % S::STAGES));
   }
-  if (j + 1 < j1) {
+  if (i + 1 < q.n) {
     const int s1 = (i + 1) % S::STAGES;
     mbar_wait(bars + 8 * s1, ((i + 1) / S::STAGES) & 1);
     Raw raw;
     wide_raw(smem + s1 * S::STAGE, r0, t, raw);
     decode_raw(raw, a[P ^ 1]);
   }
-  if ((j + 1) % FOLD_CHUNKS != 0 && j + 1 != j1) return;
+  if (((i + 1) & 3) != 0 && i + 1 != q.n) return;
   wgmma_wait<0>();
   fence_acc(part);
   mbar_arrive(bars + 8 * (S::STAGES + s));  // the chain and the code reads of stage s are done
-  if (j0 == 0) {  // split 0: the prefix from fold chunk 0 on
+  const int f = q.fold(i);
+  if constexpr (CL == 2) {
+    if (q.f_begin == 1) {  // the second CTA: its partial to the first
+      wide_hand_over<BN>(base, f / 2, ctid, part);
+      return;
+    }
+    // the first CTA: the second's partial of the fold chunk before this one, then its own
+    if (f > 0) wide_fold_slot<BN>(base, f / 2 - 1, ctid, acc, smem);
+  }
+  if (CL == 2 || q.f_begin == 0) {  // the prefix from fold chunk 0 on
 #pragma unroll
     for (int e = 0; e < BN / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], part.d[e]);
   } else {
-    float4* mine = slots + (long long)(j / FOLD_CHUNKS) * (BN / 8) * 256;
+    float4* mine = slots + (long long)f * (BN / 8) * 256;
 #pragma unroll
     for (int e = 0; e < BN / 8; ++e)
       mine[e * 256] =
@@ -1633,17 +1743,18 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
   }
 }
 
-template <int BN>
+template <int BN, int CL>
 __device__ __forceinline__ void gemm_wide(const Params& p) {
-  using S = WideShape<BN>;
+  using S = WideShape<BN, CL>;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = (u32)__cvta_generic_to_shared(smem);
-  const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
-  int* last = (int*)(smem + S::STAGES * S::STAGE + 16 * S::STAGES);
+  const u32 bars = base + S::BARS;  // full[STAGES], then empty[STAGES]
+  int* last = (int*)(smem + S::BARS + 16 * S::STAGES);
   const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128, splits = gridDim.z;
   const int z = blockIdx.z;
-  const int f0 = z * n_folds / splits, f1 = (z + 1) * n_folds / splits;
-  const int j0 = f0 * FOLD_CHUNKS, j1 = min(f1 * FOLD_CHUNKS, k_chunks);
+  // CL = 1: split z's fold chunks [z F / S, (z + 1) F / S); CL = 2: every second from z
+  const WideSeq q = CL == 1 ? WideSeq(z * n_folds / splits, (z + 1) * n_folds / splits, 1, k_chunks)
+                            : WideSeq(z, n_folds, 2, k_chunks);
   const int n0 = blockIdx.y * WR_ROWS;
   // warp-uniform for the compiler (see gemm_ws)
   const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
@@ -1652,14 +1763,26 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
       mbar_init(bars + 8 * s, 129);                // each producer thread's copies + the bulk copy
       mbar_init(bars + 8 * (S::STAGES + s), 256);  // every consumer thread
     }
+    for (int s = 0; s < S::SLOTS; ++s) {
+      // full: the first CTA's own arrival with the slot's bytes, which the second CTA's st.async
+      // complete; empty: the first CTA's eight consumer warps, one arrival each
+      mbar_init(base + S::SLOT_BARS + 8 * s, 1);
+      mbar_init(base + S::SLOT_BARS + 8 * (S::SLOTS + s), 8);
+    }
+    if (CL == 2 && blockIdx.z == 0)
+      for (int s = 0; s < S::SLOTS; ++s) mbar_expect_tx(base + S::SLOT_BARS + 8 * s, S::SLOT_BYTES);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CL == 1)
+    __syncthreads();
+  else
+    cluster_sync();  // both CTAs' slot barriers initialized before either arrives on them
   // registers: 168 per thread at launch; the producer needs 56, the consumers up to 224 (BN = 128:
   // two accumulators and two chunks of fragments), 56 x 128 + 224 x 256 = 168 x 384
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    wide_produce<BN>(p, base, bars, n0, j0, j1, tid);
+    wide_produce<BN, CL>(p, base, bars, n0, q, tid);
+    if (CL == 2) cluster_sync();  // neither CTA leaves while the other may reach its barriers
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
@@ -1667,35 +1790,46 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   PHASE_TIME(0);
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = 64 * wg + 16 * warp + g;  // this thread's rows r0, r0 + 8 of the stage
+  const int ctid = 128 * wg + tid;
   const int tile = blockIdx.x * gridDim.y + blockIdx.y;
   Acc<BN> part, acc;
 #pragma unroll
   for (int e = 0; e < BN / 2; ++e) acc.d[e] = 0.f;
   // split K: partial (tile, fold chunk f) as BN / 8 float4 per thread, [f][e][256 threads]
-  float4* slots = (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + 128 * wg + tid;
+  float4* slots = CL == 1 ? (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + ctid
+                          : nullptr;
   u32 a[2][8][4];
-  {
+  if (q.n > 0) {
     Raw raw;
     mbar_wait(bars, 0);
     PHASE_TIME(1);
     wide_raw(smem, r0, t, raw);
     decode_raw(raw, a[0]);
   }
-  // one fold chunk per iteration (j0 is a fold chunk's first; fragment buffers alternate): its
-  // last chain is awaited at its end, so none is in flight across the loop's back edge (the
-  // compiler would wait there)
+  // one fold chunk per iteration (a sequence's fold chunks start at multiples of four; fragment
+  // buffers alternate): its last chain is awaited at its end, so none is in flight across the
+  // loop's back edge (the compiler would wait there)
   static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
-  for (int j = j0; j < j1; j += FOLD_CHUNKS) {
-    wide_step<BN, 0>(p, smem, base, bars, j, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 1 < j1)
-      wide_step<BN, 1>(p, smem, base, bars, j + 1, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 2 < j1)
-      wide_step<BN, 0>(p, smem, base, bars, j + 2, j0, j1, r0, t, a, part, acc, slots);
-    if (j + 3 < j1)
-      wide_step<BN, 1>(p, smem, base, bars, j + 3, j0, j1, r0, t, a, part, acc, slots);
+  for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
+    wide_step<BN, CL, 0>(p, smem, base, bars, i, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 1 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, i + 1, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 2 < q.n)
+      wide_step<BN, CL, 0>(p, smem, base, bars, i + 2, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 3 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, i + 3, q, r0, t, ctid, a, part, acc, slots);
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
+  if constexpr (CL == 2) {
+    if (z == 0) {
+      if (n_folds % 2 == 0) wide_fold_slot<BN>(base, n_folds / 2 - 1, ctid, acc, smem);
+      wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+    }
+    PHASE_TIME(3);
+    cluster_sync();
+    return;
+  }
   if (splits == 1) {
     wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
     PHASE_TIME(3);
@@ -1731,20 +1865,20 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   for (int fa = n_folds / splits; fa < n_folds; fa += FL) {
     float4 v[FL][BN / 8];
 #pragma unroll
-    for (int q = 0; q < FL; ++q)
-      if (fa + q < n_folds) {
+    for (int c = 0; c < FL; ++c)
+      if (fa + c < n_folds) {
 #pragma unroll
-        for (int e = 0; e < BN / 8; ++e) v[q][e] = __ldcg(slots + ((fa + q) * (BN / 8) + e) * 256);
+        for (int e = 0; e < BN / 8; ++e) v[c][e] = __ldcg(slots + ((fa + c) * (BN / 8) + e) * 256);
       }
 #pragma unroll
-    for (int q = 0; q < FL; ++q)
-      if (fa + q < n_folds) {
+    for (int c = 0; c < FL; ++c)
+      if (fa + c < n_folds) {
 #pragma unroll
         for (int e = 0; e < BN / 8; ++e) {
-          acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v[q][e].x);
-          acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v[q][e].y);
-          acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v[q][e].z);
-          acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v[q][e].w);
+          acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v[c][e].x);
+          acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v[c][e].y);
+          acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v[c][e].z);
+          acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v[c][e].w);
         }
       }
   }
@@ -1755,7 +1889,11 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
 
 #define WIDE_KERNEL(BN)                                                                      \
   extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN(const Params p) {    \
-    gemm_wide<BN>(p);                                                                        \
+    gemm_wide<BN, 1>(p);                                                                     \
+  }                                                                                          \
+  extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(384, 1)             \
+      w4a4_wide_c2_n##BN(const Params p) {                                                   \
+    gemm_wide<BN, 2>(p);                                                                     \
   }
 WIDE_KERNEL(32)
 WIDE_KERNEL(64)

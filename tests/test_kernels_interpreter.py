@@ -134,12 +134,14 @@ def test_wide_kernel_plans() -> None:
     a_odd, w_odd = quantize_nvfp4(torch.randn(2, 2064)), quantize_nvfp4(torch.randn(64, 2064))
     assert w4a4_gemm_cuda.wide_fits(a, w) and not w4a4_gemm_cuda.wide_fits(a_odd, w_odd)
     plan, wide_plan, us = w4a4_gemm_cuda.plan, w4a4_gemm_cuda.wide_plan, w4a4_gemm_cuda.wide_us
-    assert plan(64, 8192, 8192, 132, wide=True) == ("wide", 64, 8, 2, 2, 1)
+    # K split over two-CTA clusters where the grid fits one wave and the model prefers it
+    assert plan(64, 8192, 8192, 132, wide=True) == ("wide_c2", 64, 8, 2, 2, 1)
+    assert plan(64, 5120, 2048, 132, wide=True) == ("wide_c2", 64, 2, 2, 2, 1)
+    assert plan(128, 8192, 8192, 132, wide=True) == ("wide", 64, 16, 1, 2, 1)
     assert plan(256, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
     assert plan(32, 2048, 4096, 132, wide=True) == ("wide", 32, 1, 8, 2, 1)
     assert plan(256, 4096, 4096, 132, wide=True).block_m == 64  # 128-row tiles: 64 CTAs
     assert plan(32, 24576, 4096, 132, wide=True).family == "mid"  # 192 tiles: 1.5 waves
-    assert plan(64, 5120, 2048, 132, wide=True).family == "ws"  # 80 64-row tiles, short K
     assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
     assert plan(300, 8192, 8192, 132, wide=True).family == "ws"  # past MAX_M
@@ -147,8 +149,14 @@ def test_wide_kernel_plans() -> None:
         how = wide_plan(m, n, k, 132)
         tiles = -(-m // how.block_m) * -(-n // w4a4_gemm_cuda.WIDE_ROWS)
         assert how.splits == 1 or tiles * how.splits <= 132  # one wave
-        modelled = us(m, n, k, 132, how.block_m, how.splits)
+        in_cluster = how.family == "wide_c2"
+        modelled = us(m, n, k, 132, how.block_m, how.splits, in_cluster)
         assert all(modelled <= us(m, n, k, 132, how.block_m, s) for s in range(1, 3))
+        assert modelled <= us(m, n, k, 132, how.block_m, 2, cluster=True) or tiles * 2 > 132
+    assert wide_plan(64, 8192, 8192, 132, cluster=False) == ("wide", 64, 8, 2, 2, 1)
+    assert wide_plan(64, 8192, 8192, 132, 32, cluster=True) == ("wide_c2", 32, 8, 2, 2, 1)
+    assert wide_plan(64, 8192, 8192, 132, 32, 3, cluster=True) is None  # a cluster is 2 CTAs
+    assert wide_plan(64, 8192, 512, 132, cluster=True) is None  # one fold chunk
     assert wide_plan(64, 8192, 8192, 132, 32, 3) == ("wide", 32, 6, 3, 2, 1)
     assert wide_plan(64, 8192, 8192, 132, 48, 1) is None  # no such tile
     assert wide_plan(64, 8192, 8192, 132, 64, 17) is None  # more splits than fold chunks

@@ -544,6 +544,12 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
                         w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
                         where = (n, k, m, kind, block_m, splits)
                         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                    # K split over a two-CTA cluster (partials handed over in shared memory)
+                    got = torch.full_like(want, float("nan"))
+                    how = w4a4_gemm_cuda.Plan("wide_c2", block_m, -(-folds // 2), 2, 2, 1)
+                    w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
+                    where = (n, k, m, kind, block_m, "c2")
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
