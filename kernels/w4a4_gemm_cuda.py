@@ -177,7 +177,7 @@ class Plan(NamedTuple):
         return f"w4a4_{shape}{'_even_k' if even_k else ''}"
 
     def threads(self) -> int:
-        if self.family in ("stream", "wide", "wide_c2"):  # and one producer warpgroup
+        if self.family in ("stream", *_WIDE):  # and one producer warpgroup
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
@@ -190,14 +190,13 @@ class Plan(NamedTuple):
             # 2 KB smaller, as many stages fit)
             stage = ROWS * (288 + 32) + self.block_m * 1024
             return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
-        if self.family == "wide":  # stages (weight codes, activation chunk), barriers, a flag
+        if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
+            # a cluster's partial slots and their barriers (WideShape)
             stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
-            return min(8, _WIDE_RING_BYTES // stage) * (stage + 16) + 16
-        if self.family == "wide_c2":  # the same, the slots' barriers, the slots (WideShape)
-            stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
-            slots, slot = (1 if self.block_m >= 128 else 2), self.block_m * 512
-            stages = min(8, (_WIDE_C2_BYTES - slots * slot) // stage)
-            return stages * (stage + 16) + 16 + slots * (16 + slot)
+            slots = 0 if self.family == "wide" else 1 if self.block_m >= 128 else 2
+            slot = self.block_m * 512
+            ring = _WIDE_RING_BYTES if self.family == "wide" else _WIDE_C2_BYTES - slots * slot
+            return min(8, ring // stage) * (stage + 16) + 16 + slots * (16 + slot)
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -418,18 +417,14 @@ def wide_plan(
         tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
     options = []
     for b in tiles:
-        one_wave = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * 2 <= sms
-        if cluster or (cluster is None and splits is None and n_folds >= 2 and one_wave):
+        ctas = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS)  # per split
+        # split K within one wave (as measured): later waves would wait on the partials
+        if cluster or (cluster is None and splits is None and n_folds >= 2 and 2 * ctas <= sms):
             options.append((wide_us(m, n, k, sms, b, 2, cluster=True), b, 2, True))
         if cluster:
             continue
         for s in [splits] if splits is not None else range(1, n_folds + 1):
-            # split K within one wave (as measured): later waves would wait on the partials
-            if (
-                splits is not None
-                or s == 1
-                or triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS) * s <= sms
-            ):
+            if splits is not None or s == 1 or ctas * s <= sms:
                 options.append((wide_us(m, n, k, sms, b, s), b, s, False))
     _, bm, s, in_cluster = min(options)
     return Plan("wide_c2" if in_cluster else "wide", bm, triton.cdiv(n_folds, s), s, 2, 1)

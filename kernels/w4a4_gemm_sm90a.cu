@@ -1764,8 +1764,8 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
       mbar_init(bars + 8 * (S::STAGES + s), 256);  // every consumer thread
     }
     for (int s = 0; s < S::SLOTS; ++s) {
-      // full: the first CTA's own arrival with the slot's bytes, which the second CTA's st.async
-      // complete; empty: the first CTA's eight consumer warps, one arrival each
+      // full: the first CTA's own arrival with the slot's bytes, which the second CTA's bulk
+      // copies complete; empty: the first CTA's eight consumer warps, one arrival each
       mbar_init(base + S::SLOT_BARS + 8 * s, 1);
       mbar_init(base + S::SLOT_BARS + 8 * (S::SLOTS + s), 8);
     }
