@@ -1,20 +1,21 @@
 """The W4A4 GEMM in CUDA C++ (``w4a4_gemm_sm90a.cu``) for Hopper at small, mid and wide M: small and
 mid M decode the weight straight into wgmma's register operand (small M, streamed: a persistent grid
 over (64 weight rows, 512-element fold chunk) units, a producer warpgroup filling a ring with the
-weight and the decoded activation slice, consumer warpgroups running the chains, the partials folded
-in order by the tile's last warpgroup; small M, clustered: the activation decoded from its codes
-into shared memory, split K over a thread-block cluster whose first CTA folds the partials from
-distributed shared memory; mid M: the activation decoded once by a first launch and streamed through
-a ring); wide M is warp-specialized (producer warpgroups decode the weight into shared memory and
-bulk-copy the decoded activation, consumer warpgroups run wgmma with both operands in shared memory)
-or, the default at 16 < M <= 256, register-A (a producer warpgroup stages 128 weight rows' codes and
-the decoded activation, two consumer warpgroups decode the codes into wgmma fragments; K split over
-fold chunks by a time model, through a float32 workspace or over a two-CTA cluster whose second CTA
-hands each fold chunk's partial to the first by bulk copy between their shared memories). It
-computes the same bits as the Triton decode GEMM (contract v2 K order; tests pin this). By default
-it serves the shapes where it measured faster than the Triton kernel on the H200 (:func:`serves`);
-``MINITE_CUDA_KERNELS=1`` makes it serve every shape it supports, ``0`` turns it off; without NVRTC
-or nvcc the Triton kernel serves everything."""
+weight and the decoded activation slice, or in ``w4a4_linear`` at 8 < M <= 16 with the block of an
+activation image quantized by the launch before, consumer warpgroups running the chains, the
+partials folded in order by the tile's last warpgroup; small M, clustered: the activation decoded
+from its codes into shared memory, split K over a thread-block cluster whose first CTA folds the
+partials from distributed shared memory; mid M: the activation decoded once by a first launch and
+streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
+shared memory and bulk-copy the decoded activation, consumer warpgroups run wgmma with both operands
+in shared memory) or, the default at 16 < M <= 256, register-A (a producer warpgroup stages 128
+weight rows' codes and the decoded activation, two consumer warpgroups decode the codes into wgmma
+fragments; K split over fold chunks by a time model, through a float32 workspace or over a two-CTA
+cluster whose second CTA hands each fold chunk's partial to the first by bulk copy between their
+shared memories). It computes the same bits as the Triton decode GEMM (contract v2 K order; tests
+pin this). By default it serves the shapes where it measured faster than the Triton kernel on the
+H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it supports, ``0`` turns
+it off; without NVRTC or nvcc the Triton kernel serves everything."""
 
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ _STREAM_WARPGROUPS = (2, 3)
 #: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
 STREAM_MIN_WEIGHT = 1 << 23
 _STREAM_RING_BYTES = 200704
+#: The streamed kernel's batch tile that has an image-reading variant (w4a4_linear, 8 < M <= 16).
+_STREAM_IMAGE_BLOCK_M = 16
 #: Bytes of one unit in the streamed kernel's unit layout (:func:`unit_layout`).
 UNIT_BYTES = 18432
 #: Wide-M kernels with register A (``WIDE_KERNEL`` in the CUDA source): batch rows per CTA; 128
@@ -158,11 +161,14 @@ class Plan(NamedTuple):
     warpgroups: int = 1
     producers: int = 0
 
-    def kernel_name(self, even_k: bool, units: bool = False) -> str:
+    def kernel_name(self, even_k: bool, units: bool = False, image: bool = False) -> str:
         """The CUDA kernel's name (``even_k``: K % 128 == 0; the streamed kernel has one
-        variant per weight layout, ``units``: :func:`unit_layout`; its K is a multiple of 256)."""
+        variant per weight layout, ``units``: :func:`unit_layout`, its K a multiple of 256, and
+        with the unit layout one that reads the activation as a decoded ``image``)."""
         if self.family == "stream":
-            layout = "unit_" if units else ""
+            if image and not units:
+                raise ValueError("the streamed kernel reads the activation image only beside units")
+            layout = "image_" if image else "unit_" if units else ""
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family == "wide":
             return f"w4a4_wide_n{self.block_m}"
@@ -222,8 +228,13 @@ def _kernel_names() -> list[str]:
         for units in (False, True)
     ]
     gemms += [Plan(f, b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS for f in _WIDE]
-    image_ms = _MID_BLOCK_MS + _WS_BLOCK_MS
-    return gemms + [f"w4a4_{pass_}_act_m{b}" for b in image_ms for pass_ in ("decode", "quantize")]
+    gemms += [
+        Plan("stream", _STREAM_IMAGE_BLOCK_M, 1, 1, w).kernel_name(True, True, image=True)
+        for w in _STREAM_WARPGROUPS
+    ]
+    image_ms = (_STREAM_IMAGE_BLOCK_M, *_MID_BLOCK_MS, *_WS_BLOCK_MS)
+    passes = [f"w4a4_decode_act_m{b}" for b in image_ms[1:]]
+    return gemms + passes + [f"w4a4_quantize_act_m{b}" for b in image_ms]
 
 
 @functools.cache
@@ -752,10 +763,14 @@ class _Activation(NamedTuple):
 
 def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     """The plan for ``quantize(x) @ w.T`` (per-row amax, the contract's activation quantizer) where
-    :func:`gemm_rows` serves it: the GEMM the quantized ``x`` would get by default reads a decoded
-    activation image (:data:`_IMAGE_FAMILIES`), 16 < M <= :data:`ROWS_MAX_M`, and ``x`` is BF16
-    [M, K] with 16-byte aligned rows; else None."""
+    :func:`gemm_rows` serves it, ``x`` being BF16 [M, K] with 16-byte aligned rows: the GEMM the
+    quantized ``x`` would get by default reads a decoded activation image
+    (:data:`_IMAGE_FAMILIES`) and 16 < M <= :data:`ROWS_MAX_M`, or it is the streamed kernel's
+    16-row plan (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else
+    None."""
     m, k = x.shape
+    if m <= SMALL_MAX_M:
+        return _stream_rows_plan(x, w, out_dtype)
     if (
         not SMALL_MAX_M < m <= ROWS_MAX_M
         or x.dtype != torch.bfloat16
@@ -774,6 +789,32 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     return how if how is not None and how.family in _IMAGE_FAMILIES else None
 
 
+def _stream_rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
+    """M <= 16: the streamed kernel's plan where :func:`gemm_rows` serves it. Only its 16-row tile
+    (8 < M <= 16) and the unit layout. There the image pass plus the image read by bulk copy
+    measured 1.02-1.11x the quantizer plus the producer's own decode on six of seven shapes
+    (0.99x on 4096 x 4096). At M <= 8, 0.90-0.98x on five of seven: the 8-row image costs more L2
+    reads than one row's codes (H200, benchmarks/NOTES_kernels.md)."""
+    m, k = x.shape
+    layout = getattr(w, "kernel_layout", None)
+    if (
+        m <= _STREAM_BLOCK_MS[0]  # the image variant's tile is _STREAM_IMAGE_BLOCK_M rows
+        or x.dtype != torch.bfloat16
+        or not _rows_16b(x)
+        or k % 256
+        or k != w.cols
+        or x.device != w.codes.device
+        or out_dtype not in _OUT_KINDS
+        or not isinstance(layout, UnitLayout)
+        or layout.units_for(w.codes, w.scales) is None  # e.g. a row slice of the weight
+        or not _stream_weight_fits(w)
+        or not _chosen(m, w, x.device, False, True, False)
+    ):
+        return None
+    how = plan(m, w.rows, k, _sms(x.device), ws=False, stream=True)
+    return how if how is not None and how.family == "stream" else None
+
+
 def gemm_rows(x: torch.Tensor, w, bias, y: torch.Tensor, how: Plan) -> None:
     """``y = quantize(x) @ w.T`` with the contract's epilogue for a :func:`rows_plan` plan: the
     launch that makes the activation image quantizes the BF16 rows ``x`` itself (the same bits as
@@ -781,7 +822,8 @@ def gemm_rows(x: torch.Tensor, w, bias, y: torch.Tensor, how: Plan) -> None:
     m, k = x.shape
     dec = torch.empty(m, dtype=torch.float32, device=x.device)
     act = _Activation(x.view(torch.int32), None, dec, 1)
-    _launch(how, act, w, None, bias, y, m, k, _sms(x.device))
+    units = w.kernel_layout.units_for(w.codes, w.scales) if how.family == "stream" else None
+    _launch(how, act, w, units, bias, y, m, k, _sms(x.device))
 
 
 def _launch(
@@ -816,7 +858,7 @@ def _launch(
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
-    if how.family in _IMAGE_FAMILIES:  # the activation decoded once into its image
+    if act.scales is None or how.family in _IMAGE_FAMILIES:  # the activation decoded into its image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
     p = _Params(
@@ -837,21 +879,20 @@ def _launch(
     kernels = cuda_jit.load(
         "w4a4_gemm_sm90a.cu", _kernel_names(), torch.device("cuda", index), defines
     )
+    if act.scales is None:  # BF16 rows (gemm_rows): one CTA per image row quantizes it
+        quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
+        quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)
+    elif how.family in _IMAGE_FAMILIES:
+        threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
+        decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
+        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
     if how.family == "small":
         grid = (n_tiles, how.splits, m_tiles)
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
-        z = how.splits if how.family in _WIDE else 1
-        if act.scales is None:  # one CTA per image row quantizes it
-            quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
-            quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)
-        else:
-            threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
-            decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
-            decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
-        grid = (m_tiles, n_tiles, z)
-    kernel = kernels[how.kernel_name(k % CHUNK == 0, w_units is not None)]
+        grid = (m_tiles, n_tiles, how.splits if how.family in _WIDE else 1)
+    kernel = kernels[how.kernel_name(k % CHUNK == 0, w_units is not None, act.scales is None)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

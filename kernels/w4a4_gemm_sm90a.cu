@@ -1091,6 +1091,7 @@ __device__ __forceinline__ void quantize_act_image(const Params& p) {
       w4a4_quantize_act_m##BM(const Params p) {                                                 \
     quantize_act_image<BM>(p);                                                                  \
   }
+QUANTIZE_ACT_KERNEL(16)
 QUANTIZE_ACT_KERNEL(32)
 QUANTIZE_ACT_KERNEL(64)
 QUANTIZE_ACT_KERNEL(128)
@@ -1108,7 +1109,9 @@ QUANTIZE_ACT_KERNEL(256)
 // warpgroup leaves a tile it adds its units to the tile's arrival counter, and the one that
 // completes the count folds the tile's partials in chunk order, stores the output and zeroes the
 // counter for the next launch. Tiles of a single fold chunk store directly. The host requires
-// K % 256 == 0 and 16-byte aligned rows.
+// K % 256 == 0 and 16-byte aligned rows. w4a4_stream_image_*: the unit layout, and the activation
+// as the decoded image of one M tile (w4a4_quantize_act_m##BM, the launch before), each unit's
+// block bulk-copied beside its weight instead of decoded by the producer (w4a4_linear, 8 < M <= 16).
 
 #define LBO_BYTES 128  // B core matrices: along K (LBO) and along the rows (SBO)
 #define SBO_BYTES 256
@@ -1227,13 +1230,29 @@ __device__ __forceinline__ void unit_copy(const Params& p, int u, int n_folds, i
   bulk_copy(stage + 16384, src + 16384, n_ch * 512, full);
 }
 
+// unit_copy plus the unit's activation block from the decoded image (p.a_image, one M tile of BM
+// rows made by w4a4_quantize_act_m##BM: chunk c at c * BM * 256 bytes, the stage's B layout) into
+// the stage's B block: three bulk copies announced by one arrival. One thread.
+template <int BM>
+__device__ __forceinline__ void unit_image_copy(const Params& p, int u, int n_folds, int k_chunks,
+                                                u32 stage, u32 full) {
+  using S = StreamShape<BM, true>;
+  const int f = u % n_folds, n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+  const unsigned char* src = (const unsigned char*)p.w_words + (long long)u * 18432;
+  mbar_expect_tx(full, n_ch * (4608 + BM * 256));
+  bulk_copy(stage, src, n_ch * 4096, full);
+  bulk_copy(stage + S::W_CODES, src + S::W_CODES, n_ch * 512, full);
+  bulk_copy(stage + S::W_CODES + S::W_SCALES,
+            p.a_image + (long long)f * FOLD_CHUNKS * (BM * 256), n_ch * BM * 256, full);
+}
+
 // The producer warpgroup: unit i of this CTA into stage i % STAGES. The weight by 16-byte cp.async
 // copies (sixteen threads per 256-byte row of codes: coalesced) that complete on the stage's full
 // barrier (one arrival per thread); the activation slice read (two units ahead) and decoded into
 // the stage's B block by the same threads (a second arrival each). Rows past N are not copied and
 // activation rows past M not written (they only feed outputs that are never stored), nor chunks
-// past K.
-template <int BM, bool UNIT>
+// past K. IMAGE (unit layout): one thread's bulk copies of the weight and the image's block.
+template <int BM, bool UNIT, bool IMAGE>
 __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* smem, u32 base,
                                                u32 bars, int u0, int u1, int n_folds,
                                                int k_chunks, int tid) {
@@ -1258,6 +1277,15 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
                                                     (tid & 1) * 128));
   }
   wait_previous_kernel();
+  if constexpr (IMAGE) {  // the activation block from the image (the previous kernel's output)
+    for (int i = 0; u0 + i < u1; ++i) {
+      const int s = i % S::STAGES, round = i / S::STAGES;
+      if (round > 0) mbar_wait(bars + 8 * (S::STAGES + s), (round - 1) & 1);
+      if (tid == 0)
+        unit_image_copy<BM>(p, u0 + i, n_folds, k_chunks, base + s * S::STAGE, bars + 8 * s);
+    }
+    return;
+  }
   StreamAct<BM> ahead[2];
   if (u0 < u1) stream_load_act<BM>(p, u0, n_folds, k_chunks, tid, ahead[0]);
   if (u0 + 1 < u1) stream_load_act<BM>(p, u0 + 1, n_folds, k_chunks, tid, ahead[1]);
@@ -1356,7 +1384,7 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
   store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3);
 }
 
-template <int BM, int NWG, bool UNIT>
+template <int BM, int NWG, bool UNIT, bool IMAGE = false>
 __device__ __forceinline__ void gemm_stream(const Params& p) {
   using S = StreamShape<BM, UNIT>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -1373,14 +1401,14 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     for (int s = 0; s < S::STAGES; ++s) {
       // each producer thread: its copies (canonical) and its stores; unit layout: the stores and
       // the bulk copies' announcement
-      mbar_init(bars + 8 * s, UNIT ? 129 : 256);
+      mbar_init(bars + 8 * s, IMAGE ? 1 : UNIT ? 129 : 256);
       mbar_init(bars + 8 * (S::STAGES + s), 128);  // the consuming warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (wg == NWG) {
-    stream_produce<BM, UNIT>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
+    stream_produce<BM, UNIT, IMAGE>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
     return;
   }
   wait_previous_kernel();
@@ -1444,6 +1472,13 @@ STREAM_KERNEL(8, 2)
 STREAM_KERNEL(8, 3)
 STREAM_KERNEL(16, 2)
 STREAM_KERNEL(16, 3)
+#define STREAM_IMAGE_KERNEL(BM, NWG)                                                         \
+  extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+      w4a4_stream_image_m##BM##_w##NWG(const Params p) {                                     \
+    gemm_stream<BM, NWG, true, true>(p);                                                     \
+  }
+STREAM_IMAGE_KERNEL(16, 2)  // 8 < M <= 16 only: at M <= 8 it measured slower (w4a4_gemm_cuda.py)
+STREAM_IMAGE_KERNEL(16, 3)
 
 // ---- Wide M, register A: consumers decode the staged weight codes into wgmma fragments ----
 //

@@ -590,21 +590,26 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """The activation pass that quantizes BF16 rows itself (w4a4_linear at 16 < M <= 256 on the
-    image-reading CUDA kernels) gives the bits of the quantizer followed by nvfp4_gemm: every
+    image-reading CUDA kernels, and at 8 < M <= 16 on the streamed kernel's image variant for a
+    weight with its kernel layout) gives the bits of the quantizer followed by nvfp4_gemm: every
     input kind (ties, subnormal and saturated block scales, NaN/Inf/zero rows), bias, three
     output types, strided rows, N and K off the tile sizes; it serves where it should, and
     replays in CUDA graphs."""
     from minite_kernels import quantized_rows_gemm
     from minite_kernels import w4a4_gemm_cuda as cu
 
+    from minite_common import with_kernel_layout
+
     if mode == "1":
         monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     served = set()
     shapes = ((5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024))
     for i, (n, k) in enumerate(shapes):
-        w = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
+        w0 = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(50 + i)).cuda().bfloat16()
-        for m in (1, 16, 17, 40, 64, 129, 256, 300, 1024):
+        layouts = [(w0, m) for m in (1, 16, 17, 40, 64, 129, 256, 300, 1024)]
+        layouts += [(with_kernel_layout(w0), m) for m in (1, 8, 9, 12, 16)]
+        for w, m in layouts:
             kind = ("normal", "heavy", "blocks", "ties", "specials")[(m + i) % 5]
             wide = torch.zeros(m, k + 16, dtype=torch.bfloat16, device="cuda")
             x = wide[:, :k].copy_(_as_dtype(_make(kind, m, k, m + i).cuda(), torch.bfloat16))
@@ -613,7 +618,8 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
                 got = quantized_rows_gemm(x, w, b, out)
                 plan = cu.rows_plan(x, w, out)
                 assert (got is None) == (plan is None), (n, k, m)
-                assert plan is None or 16 < m <= cu.ROWS_MAX_M, (n, k, m)
+                assert plan is None or 8 < m <= cu.ROWS_MAX_M, (n, k, m)
+                assert plan is None or m > 16 or w.kernel_layout is not None, (n, k, m)
                 if got is None:
                     continue
                 served.add(plan.family)
@@ -622,19 +628,20 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
             y = w4a4_linear(x, w)  # the public path (fused where served), rows batch-invariant
             assert torch.equal(y.view(torch.int16), nvfp4_gemm(a, w).view(torch.int16))
             assert torch.equal(w4a4_linear(x[:1], w).view(torch.int16), y[:1].view(torch.int16))
-    assert {"wide", "ws"} <= served, served
+    assert {"wide", "ws", "stream"} <= served, served
     if mode == "1":
         assert "mid" in served, served
     # captured: the pass quantizes the rows written before each replay
-    w = quantize_nvfp4(_make("normal", 5120, 2048, 60).cuda(), amax="tensor", block_2d=True)
-    x = torch.zeros(64, 2048, dtype=torch.bfloat16, device="cuda")
-    assert cu.rows_plan(x, w, torch.bfloat16) is not None
-    w4a4_linear(x, w)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w4a4_linear(x, w)
-    for kind in ("normal", "specials"):
-        x.copy_(_as_dtype(_make(kind, 64, 2048, 61).cuda(), torch.bfloat16))
-        graph.replay()
-        want = nvfp4_gemm(quantize_nvfp4(x), w)
-        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), kind
+    plain = quantize_nvfp4(_make("normal", 5120, 2048, 60).cuda(), amax="tensor", block_2d=True)
+    for m, w in ((64, plain), (12, with_kernel_layout(plain))):
+        x = torch.zeros(m, 2048, dtype=torch.bfloat16, device="cuda")
+        assert cu.rows_plan(x, w, torch.bfloat16) is not None
+        w4a4_linear(x, w)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = w4a4_linear(x, w)
+        for kind in ("normal", "specials"):
+            x.copy_(_as_dtype(_make(kind, m, 2048, 61).cuda(), torch.bfloat16))
+            graph.replay()
+            want = nvfp4_gemm(quantize_nvfp4(x), w)
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, kind)
