@@ -121,6 +121,36 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert not preferred(1024, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
 
 
+def test_cuda_kernel_names_match_the_source() -> None:
+    """Every CUDA kernel the host loads by name (``_kernel_names``: each plan's kernel, the image
+    passes) is defined in ``w4a4_gemm_sm90a.cu`` after its macros expand, and every kernel defined
+    there is one the host can launch. The streamed kernel reads the activation image only with
+    the unit layout."""
+    pytest.importorskip("triton")
+    import re
+    import shutil
+    from pathlib import Path
+
+    from minite_kernels import w4a4_gemm_cuda
+
+    cpp = shutil.which("cpp")
+    if cpp is None:
+        pytest.skip("needs the C preprocessor (cpp) to expand the kernels' macros")
+    source = Path(w4a4_gemm_cuda.__file__).with_name("w4a4_gemm_sm90a.cu")
+    expanded = subprocess.run(
+        [cpp, "-P", "-x", "c++", str(source)], capture_output=True, text=True, check=True
+    ).stdout
+    attribute = r"__\w+__\((?:[^()]|\([^()]*\))*\)\s*"  # __launch_bounds__(128 * (W + 1), 1)
+    defined = re.findall(rf'extern "C" __global__ void\s+(?:{attribute})*(\w+)\s*\(', expanded)
+    assert len(defined) == len(set(defined))
+    assert set(defined) == set(w4a4_gemm_cuda._kernel_names())
+    stream = w4a4_gemm_cuda.Plan("stream", 16, 1, 1, 3)
+    assert stream.kernel_name(True, True, image=True) == "w4a4_stream_image_m16_w3"
+    assert stream.kernel_name(True, True) == "w4a4_stream_unit_m16_w3"
+    with pytest.raises(ValueError, match="only beside units"):
+        stream.kernel_name(True, False, image=True)
+
+
 def test_wide_kernel_plans() -> None:
     """The register-A wide-M kernel: which operands it reads, and its plans (batch tile and K
     split by the time model; split K only within one wave; the default for 16 < M <= 256 where
