@@ -769,11 +769,12 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     16-row plan (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else
     None."""
     m, k = x.shape
-    if not _rows_operands_fit(x, w, out_dtype):
+    # the streamed kernel's image variant has a 16-row tile only: smaller M quantizes separately
+    if not _STREAM_BLOCK_MS[0] < m <= ROWS_MAX_M or not _rows_operands_fit(x, w, out_dtype):
         return None
     if m <= SMALL_MAX_M:
         return _stream_rows_plan(x, w)
-    if m > ROWS_MAX_M or k % 16 or not _rows_8b(w.codes):
+    if k % 16 or not _rows_8b(w.codes):
         return None
     ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # M > 16: never the streamed kernel
     if not _chosen(m, w, x.device, ws, False, wide):
@@ -795,16 +796,15 @@ def _rows_operands_fit(x: torch.Tensor, w, out_dtype: torch.dtype) -> bool:
 
 
 def _stream_rows_plan(x: torch.Tensor, w) -> Plan | None:
-    """M <= 16: the streamed kernel's plan where :func:`gemm_rows` serves it. Only its 16-row tile
-    (8 < M <= 16) and the unit layout. There the image pass plus the image read by bulk copy
-    measured 1.01-1.11x the quantizer plus the producer's own decode on six of seven shapes and
-    0.97-1.0x on 2048 x 4096. At M <= 8, 0.90-0.98x on five of seven: the 8-row image costs more
-    L2 reads than one row's codes (H200, benchmarks/NOTES_kernels.md)."""
+    """8 < M <= 16: the streamed kernel's plan (its 16-row tile) where :func:`gemm_rows` serves it,
+    on the unit layout. There the image pass plus the image read by bulk copy measured 1.01-1.11x
+    the quantizer plus the producer's own decode on six of seven shapes and 0.97-1.0x on
+    2048 x 4096. At M <= 8, 0.90-0.98x on five of seven: the 8-row image costs more L2 reads than
+    one row's codes (H200, benchmarks/NOTES_kernels.md)."""
     m, k = x.shape
     layout = getattr(w, "kernel_layout", None)
     if (
-        m <= _STREAM_BLOCK_MS[0]  # the image variant's tile is _STREAM_IMAGE_BLOCK_M rows
-        or k % 256
+        k % 256
         or not isinstance(layout, UnitLayout)
         or layout.units_for(w.codes, w.scales) is None  # e.g. a row slice of the weight
         or not _stream_weight_fits(w)

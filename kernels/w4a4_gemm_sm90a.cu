@@ -1220,30 +1220,22 @@ __device__ __forceinline__ void stream_copy_canonical(const Params& p, int u, in
 
 // The weight of unit u into the stage at `stage` from the unit layout (p.w_words: 18 KB per unit,
 // units tile-major): two bulk copies of its chunks' codes and scales (the chunks inside K, a
-// prefix of each part), announced on barrier `full` by one arrival. One thread.
+// prefix of each part), announced on barrier `full` by one arrival. One thread. IMAGE: a third,
+// the unit's activation block from the decoded image (p.a_image, one M tile of BM rows made by
+// w4a4_quantize_act_m##BM: chunk c at c * BM * 256 bytes, the stage's B layout) into the stage's
+// B block.
+template <int BM, bool IMAGE>
 __device__ __forceinline__ void unit_copy(const Params& p, int u, int n_folds, int k_chunks,
                                           u32 stage, u32 full) {
-  const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
-  const unsigned char* src = (const unsigned char*)p.w_words + (long long)u * 18432;
-  mbar_expect_tx(full, n_ch * 4608);
-  bulk_copy(stage, src, n_ch * 4096, full);
-  bulk_copy(stage + 16384, src + 16384, n_ch * 512, full);
-}
-
-// unit_copy plus the unit's activation block from the decoded image (p.a_image, one M tile of BM
-// rows made by w4a4_quantize_act_m##BM: chunk c at c * BM * 256 bytes, the stage's B layout) into
-// the stage's B block: three bulk copies announced by one arrival. One thread.
-template <int BM>
-__device__ __forceinline__ void unit_image_copy(const Params& p, int u, int n_folds, int k_chunks,
-                                                u32 stage, u32 full) {
   using S = StreamShape<BM, true>;
   const int f = u % n_folds, n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
   const unsigned char* src = (const unsigned char*)p.w_words + (long long)u * 18432;
-  mbar_expect_tx(full, n_ch * (4608 + BM * 256));
+  mbar_expect_tx(full, n_ch * (4608 + (IMAGE ? BM * 256 : 0)));
   bulk_copy(stage, src, n_ch * 4096, full);
   bulk_copy(stage + S::W_CODES, src + S::W_CODES, n_ch * 512, full);
-  bulk_copy(stage + S::W_CODES + S::W_SCALES,
-            p.a_image + (long long)f * FOLD_CHUNKS * (BM * 256), n_ch * BM * 256, full);
+  if (IMAGE)
+    bulk_copy(stage + S::W_CODES + S::W_SCALES,
+              p.a_image + (long long)f * FOLD_CHUNKS * (BM * 256), n_ch * BM * 256, full);
 }
 
 // The producer warpgroup: unit i of this CTA into stage i % STAGES. The weight by 16-byte cp.async
@@ -1282,7 +1274,7 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
       const int s = i % S::STAGES, round = i / S::STAGES;
       if (round > 0) mbar_wait(bars + 8 * (S::STAGES + s), (round - 1) & 1);
       if (tid == 0)
-        unit_image_copy<BM>(p, u0 + i, n_folds, k_chunks, base + s * S::STAGE, bars + 8 * s);
+        unit_copy<BM, true>(p, u0 + i, n_folds, k_chunks, base + s * S::STAGE, bars + 8 * s);
     }
     return;
   }
@@ -1296,7 +1288,7 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
     const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
     if (UNIT) {
-      if (tid == 0) unit_copy(p, u, n_folds, k_chunks, stage, full);
+      if (tid == 0) unit_copy<BM, false>(p, u, n_folds, k_chunks, stage, full);
     } else {
       stream_copy_canonical<BM>(p, u, n_folds, k_chunks, stage, full, tid);
     }
