@@ -100,13 +100,16 @@ _WIDE_RING_BYTES = 204800
 _WIDE_C2_BYTES = 225280
 _WIDE = ("wide", "wide_c2")
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
-#: points of seven shapes, it picked the fastest or within 3% on each of 28 (shape, M); the
-#: per-chunk costs of 64 and 128 refitted to 27 points after two chains in flight): per
-#: 128-element chunk of a CTA, per batch tile (us); the epilogue; with split K a fold overhead
-#: and a cost per MB of partials written and read back.
+#: points of seven shapes; the per-chunk costs of 64 and 128 refitted to 27 points after two
+#: chains in flight): per 128-element chunk of a CTA, per batch tile (us); the epilogue; with
+#: split K through the workspace a fold overhead, a cost per MB of one tile's partials (its last
+#: CTA reads them back in chunk order, alone: ~110 GB/s) and per MB of all partials. The split
+#: terms were refitted to 109 split points of ten shapes (benchmarks/NOTES_kernels.md,
+#: eighteenth session): a total-MB term alone modelled half the split's cost at long K
+#: (3584 x 18944, M = 128, four splits of 128-row tiles: 62 us modelled, 84 measured).
 _WIDE_CHUNK_US = {32: 0.57, 64: 0.62, 128: 0.82}
 _WIDE_EPILOGUE_US = {32: 3.0, 64: 4.0, 128: 6.0}
-_WIDE_FOLD_US, _WIDE_PARTIAL_US_PER_MB = 3.0, 0.4
+_WIDE_FOLD_US, _WIDE_TILE_FOLD_US_PER_MB, _WIDE_PARTIAL_US_PER_MB = 2.4, 9.2, 0.6
 #: The two-CTA-cluster variant (``wide_c2``; fitted to 14 measured (shape, tile) points on one
 #: wave, within 0.93-1.06x of them): a start-up and a cost per partial handed over, by tile.
 _WIDE_C2_US, _WIDE_C2_HAND_OVER_US = 1.1, {32: 0.43, 64: 0.73, 128: 1.35}
@@ -396,8 +399,8 @@ def wide_us(
     if cluster:  # the second CTA hands each of its fold chunks' partials to the first
         t += _WIDE_C2_US + _WIDE_C2_HAND_OVER_US[block_m] * (n_folds // 2)
     elif splits > 1:  # split 0 keeps its prefix; the others write every fold chunk's partial
-        partial_mb = tiles * (n_folds - n_folds // splits) * WIDE_ROWS * block_m * 4 / 1e6
-        t += _WIDE_FOLD_US + _WIDE_PARTIAL_US_PER_MB * partial_mb
+        tile_mb = (n_folds - n_folds // splits) * WIDE_ROWS * block_m * 4 / 1e6
+        t += _WIDE_FOLD_US + (_WIDE_TILE_FOLD_US_PER_MB + _WIDE_PARTIAL_US_PER_MB * tiles) * tile_mb
     return t
 
 
@@ -412,8 +415,9 @@ def wide_plan(
 ) -> Plan | None:
     """The register-A wide-M kernel's plan (K % 128 == 0): batch tile ``block_m`` and K split
     over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, each by
-    default the least modelled time (:func:`wide_us`) among the tiles measured for such M (32 up
-    to M = 32, 64 up to 64, else 64 or 128) and the splits whose grid fits one wave."""
+    default the least modelled time (:func:`wide_us`) among the tiles up to twice M (32 always:
+    several 32-row tiles beat one 64-row tile where that tile needs more splits, e.g. 2048 x 2048
+    at M = 64, 9.8 vs 11.8 us) and the splits whose grid fits one wave."""
     n_folds = triton.cdiv(k, FOLD)
     if (
         k % CHUNK
@@ -425,7 +429,7 @@ def wide_plan(
     if block_m is not None:
         tiles = (block_m,)
     else:
-        tiles = (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
+        tiles = tuple(b for b in _WIDE_BLOCK_MS if b == _WIDE_BLOCK_MS[0] or b // 2 < m)
     options = []
     for b in tiles:
         ctas = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS)  # per split

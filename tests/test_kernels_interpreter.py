@@ -171,6 +171,11 @@ def test_wide_kernel_plans() -> None:
     assert plan(256, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
     assert plan(32, 2048, 4096, 132, wide=True) == ("wide", 32, 1, 8, 2, 1)
     assert plan(256, 4096, 4096, 132, wide=True).block_m == 64  # 128-row tiles: 64 CTAs
+    # a tile's workspace partials are read back by its last CTA alone: at long K the cluster
+    # split wins (3584 x 18944, M = 128: 67 us against 84 for four splits of 128-row tiles)
+    assert plan(128, 3584, 18944, 132, wide=True) == ("wide_c2", 64, 19, 2, 2, 1)
+    # 32-row tiles beyond M = 32 (2048 x 2048, M = 64: 9.8 us against 11.8 for 64-row tiles)
+    assert plan(64, 2048, 2048, 132, wide=True) == ("wide", 32, 1, 4, 2, 1)
     assert plan(32, 24576, 4096, 132, wide=True).family == "mid"  # 192 tiles: 1.5 waves
     assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
