@@ -1,0 +1,184 @@
+"""The CUDA GEMM's planner for 16 < M <= 256 against every plan it could have picked (issue 13).
+
+    PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout] [--ms 32,64,128,256]
+                                                    [--out DIR]
+
+For each weight shape and batch size, ``w4a4_linear``'s CUDA path (the activation quantized into
+its image, then the GEMM: ``w4a4_gemm_cuda.gemm_rows``) runs under every plan of the image-reading
+families: the register-A wide kernel at batch tiles 32 / 64 / 128, unsplit, K split through the
+workspace into every count whose grid fits one wave, and K split over two-CTA clusters; the
+warp-specialized kernel's tiles; the mid-M kernel's. Every plan's output is checked bitwise
+against the first one's (the contract: one accumulation order), then timed by CUDA-graph replay
+over enough weight copies to leave L2 (at least 160 MB). Prints per point the default plan's
+time, the fastest plan and the ratio default / fastest, with cuBLAS BF16 and ``w4a4_linear`` in
+the same run; writes ``wide_plans.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from gemm import bench_us
+from minite_kernels import w4a4_gemm_cuda as cu
+
+from minite_common import quantize_nvfp4, w4a4_linear, with_kernel_layout
+
+#: (N, K) weight shapes. ``fit``: the shapes the wide kernels' split terms were fitted to;
+#: ``holdout``: shapes the planner was checked on afterwards.
+SHAPES = {
+    "fit": {
+        "Qwen3-14B qkv": (7168, 5120),
+        "Qwen3-14B o": (5120, 5120),
+        "Qwen3-14B down": (5120, 17408),
+        "Qwen2.5-7B qkv": (4608, 3584),
+        "Qwen2.5-7B down": (3584, 18944),
+        "Llama-3-70B qkv": (10240, 8192),
+        "Mistral-7B qkv, TP 2": (3072, 4096),
+        "Qwen3-30B-A3B o, TP 2": (2048, 2048),
+        "Qwen3-30B-A3B qkv": (5120, 2048),
+        "Qwen3-30B-A3B o": (2048, 4096),
+        "square": (8192, 8192),
+    },
+    "holdout": {
+        "Qwen3-8B qkv": (6144, 4096),
+        "Qwen3-8B o": (4096, 4096),
+        "Qwen3-8B gate/up": (24576, 4096),
+        "Qwen3-8B down": (4096, 12288),
+        "Qwen3-4B qkv": (6144, 2560),
+        "Qwen3-4B o": (2560, 4096),
+        "Qwen3-4B gate/up": (19456, 2560),
+        "Qwen3-4B down": (2560, 9728),
+        "Llama-3.2-3B qkv": (5120, 3072),
+        "Llama-3.2-3B down": (3072, 8192),
+        "Llama-3-8B down": (4096, 14336),
+        "Qwen3-30B-A3B o, TP 4": (2048, 1024),
+        "Qwen3-30B-A3B qkv, TP 4": (1280, 2048),
+        "Qwen3-32B o, TP 8": (5120, 1024),
+        "Qwen3-32B down, TP 8": (5120, 3200),
+    },
+}
+
+
+def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
+    """Every image-reading plan for an M x N x K GEMM: wide (tiles up to twice M, 32 always;
+    unsplit, workspace splits within one wave, the two-CTA cluster where its grid fits one wave),
+    warp-specialized, mid-M."""
+    n_folds = triton.cdiv(k, cu.FOLD)
+    plans = set()
+    for b in (32, 64, 128):
+        if b > 32 and b // 2 >= m:
+            continue
+        ctas = triton.cdiv(m, b) * triton.cdiv(n, cu.WIDE_ROWS)
+        for s in range(1, n_folds + 1):
+            if s == 1 or ctas * s <= sms:
+                plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=s, cluster=False))
+        if n_folds >= 2 and 2 * ctas <= sms:
+            plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=2, cluster=True))
+    plans.update(p for p in cu.WS_PLANS if p.block_m // 2 < m)
+    for bm in (32, 64):
+        if bm == 32 or bm // 2 < m:
+            plans.update(cu.Plan("mid", bm, n_folds, 1, wg) for wg in (1, 2))
+    plans.discard(None)
+    return sorted(plans)
+
+
+def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -> dict:
+    """Time every candidate plan (bits checked against the first) and the default one."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    calls = len(weights)
+    default = cu.rows_plan(x, weights[0], torch.bfloat16)
+    row = {
+        "shape": name, "n": n, "k": k, "m": m, "weights": calls, "default": default,
+        "cublas_us": bench_us(lambda: [x @ w.t() for w in dense], calls=calls),
+        "w4a4_linear_us": bench_us(lambda: [w4a4_linear(x, w) for w in weights], calls=calls),
+        "plans": {},
+    }  # fmt: skip
+    first = first_plan = None
+    for how in candidate_plans(m, n, k, sms):
+        cu.gemm_rows(x, weights[0], None, y, how)
+        if first is None:
+            first, first_plan = y.clone(), how
+        elif not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+            raise AssertionError(f"{name} M={m}: plan {how} differs bitwise from {first_plan}")
+        row["plans"][how] = bench_us(
+            lambda how=how: [cu.gemm_rows(x, w, None, y, how) for w in weights], calls=calls
+        )
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="fit,holdout", help="comma list of: fit, holdout")
+    parser.add_argument("--ms", default="32,48,64,96,128,192,256")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not cu.available(torch.device("cuda")):
+        print("needs a GPU the CUDA C++ kernels serve (Hopper)", file=sys.stderr)
+        return 1
+    ms = [int(v) for v in args.ms.split(",")]
+    rows = []
+    print("| shape | M | cuBLAS us | w4a4_linear us | default plan us | fastest plan us | "
+          "default / fastest | default plan | fastest plan |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for group in args.shapes.split(","):
+        for name, (n, k) in SHAPES[group].items():
+            copies = min(64, max(4, math.ceil(160e6 / (n * k * 0.5625))))
+            g = torch.Generator(device="cuda").manual_seed(n + k)
+            dense = [
+                torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies)
+            ]
+            weights = [
+                with_kernel_layout(quantize_nvfp4(w, amax="tensor", block_2d=True)) for w in dense
+            ]
+            for m in ms:
+                row = bench_point(name, n, k, m, weights, dense)
+                fastest = min(row["plans"], key=row["plans"].get)
+                us = row["plans"][row["default"]]
+                row["ratio"] = us / row["plans"][fastest]
+                rows.append(row)
+                print(
+                    f"| {name} | {m} | {row['cublas_us']:.2f} | {row['w4a4_linear_us']:.2f} | "
+                    f"{us:.2f} | {row['plans'][fastest]:.2f} | {row['ratio']:.3f} | "
+                    f"{_short(row['default'])} | {_short(fastest)} |",
+                    flush=True,
+                )
+            del dense, weights
+            torch.cuda.empty_cache()
+    ratios = [r["ratio"] for r in rows]
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    within = sum(r <= 1.03 for r in ratios)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(
+        f"\nDevice: {torch.cuda.get_device_name()}; {stamp}. Default plan within 3% of the fastest "
+        f"on {within} of {len(rows)} points; default / fastest: geometric mean {geo:.4f}, "
+        f"worst {max(ratios):.3f}."
+    )
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for r in rows:
+            r["default"] = _short(r["default"])
+            r["plans"] = {_short(p): t for p, t in r["plans"].items()}
+        Path(args.out, "wide_plans.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _short(how: cu.Plan) -> str:
+    """``wide b64 s2``: the family, batch tile and split count (warpgroups for the others)."""
+    if how.family in ("wide", "wide_c2"):
+        return f"{how.family} b{how.block_m} s{how.splits}"
+    return f"{how.family} b{how.block_m} w{how.warpgroups}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
