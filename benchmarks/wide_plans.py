@@ -98,6 +98,8 @@ def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     calls = len(weights)
     default = cu.rows_plan(x, weights[0], torch.bfloat16)
+    if default is None:
+        raise ValueError(f"{name} M={m}: w4a4_linear does not take the CUDA rows path here")
     row = {
         "shape": name, "n": n, "k": k, "m": m, "weights": calls, "default": default,
         "cublas_us": bench_us(lambda: [x @ w.t() for w in dense], calls=calls),
@@ -123,10 +125,12 @@ def main() -> int:
     parser.add_argument("--ms", default="32,48,64,96,128,192,256")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    if not all(cu.SMALL_MAX_M < m <= cu.ROWS_MAX_M for m in ms):
+        parser.error(f"--ms: each M must be in ({cu.SMALL_MAX_M}, {cu.ROWS_MAX_M}]")
     if not torch.cuda.is_available() or not cu.available(torch.device("cuda")):
         print("needs a GPU the CUDA C++ kernels serve (Hopper)", file=sys.stderr)
         return 1
-    ms = [int(v) for v in args.ms.split(",")]
     rows = []
     print("| shape | M | cuBLAS us | w4a4_linear us | default plan us | fastest plan us | "
           "default / fastest | default plan | fastest plan |")  # fmt: skip
