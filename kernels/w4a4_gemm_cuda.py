@@ -63,10 +63,15 @@ _WS_BLOCK_MS = (128, 256)
 _WS_WEIGHT_CHUNK = ROWS * 256
 _WS_RING_BYTES = 204800
 #: Measured time of one wide-M CTA per batch tile (N = K = 8192, H200), for the tile choice; per
-#: 128-element chunk (the CTA time / 64) and a launch overhead for comparing with other kernels.
+#: 128-element chunk (the CTA time / 64) and a fixed cost for comparing with the register-A
+#: kernel on its model's scale, where they compete (short K): 3.7 us, the median that the fit
+#: set's K = 2048 points imply (3.3-3.9 on the other sets' at K = 1024-2048; H200, gemm_rows). With
+#: 3 us the comparison picked this kernel at K = 1024 by 0.1 us modelled, 5120 x 1024 at M = 128:
+#: 11.5 us measured against 10.8 for the unsplit 64-row wide plan; on five shapes not used to set
+#: it (K = 512-1024) the wide plans it now picks instead ran 0.83-0.98x its time.
 _WS_CTA_US = {64: 37.0, 128: 47.0, 256: 80.0}
 _WS_CHUNK_US = {b: us / 64 for b, us in _WS_CTA_US.items()}
-_WS_OVERHEAD_US = 3.0
+_WS_OVERHEAD_US = 3.7
 #: The wide-M kernel also serves 256 < M <= WS_MAX_M where K >= _WS_WIDE_MIN_K.
 WS_MAX_M = 1024
 #: The Triton large-M kernel's tile (weight rows, tokens: ``w4a4_gemm.LARGE_CONFIG``), and the M
@@ -276,7 +281,7 @@ def preferred(
     benchmarks/NOTES_kernels.md)."""
     if stream and _stream_wanted(m, n, k):
         return True
-    if wide and _wide_default(m, n, k, sms) is not None:
+    if wide and (_mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)) is not None:
         return True
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
@@ -460,13 +465,33 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     """Where the wide kernel is the default for 16 < M <= 256: up to M = 32 while its tiles fit
     one wave (beyond, the mid-M kernel with two CTAs per SM measured faster: 24576 x 4096, 39.7
     vs 43.8 us), above while its modelled time is at most the warp-specialized kernel's (which
-    won on grids of 0.6-1 wave of 64-row tiles at short K: Qwen3 qkv at M = 64, 13.0 vs 14.4)."""
+    once won on grids of 0.6-1 wave of 64-row tiles at short K, 5120 x 2048 at M = 64, 13.0 vs
+    14.4; since the cluster split it ran 14.4 against 12.9 there, and it was the fastest plan on
+    none of 201 measured points at M = 32-256)."""
     if m <= 32:
         return triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS) <= sms
     ws = _ws_plan(m, n, sms)
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
     return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2") <= ws_us
+
+
+def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
+    """The mid-M kernel's plan where it is the default over the wide kernels: two fold chunks
+    (FOLD < K <= 2 FOLD), one per warpgroup of its 32-row two-warpgroup plan, at 16 < M <= 128
+    while that grid fits one wave. There the wide kernel can split K in two at most, and its
+    fixed costs (producer ring, hand-over or workspace fold, epilogue through shared memory)
+    outweigh its cheaper chunks. Set on 2048 / 5120 x 1024 and 2048 / 4096 x 768 (H200,
+    gemm_rows: 0.86-0.98x the wide kernel's time at M = 24-96, even at M = 128, where four batch
+    tiles each decode the weight); on seven shapes not used to set it (N = 1536-8192, K = 640-1024)
+    0.92-0.99x. Longer K and larger grids lost (2048 x 2048 at M = 32: 11.3 against 9.3 us;
+    4096 x 1536 at M = 24-64: 10.9-11.1 against 9.4-10.3; 2048 x 1024 at M = 192: 14.2 against
+    9.4). A mid-kernel time model on the wide model's scale (0.93 us per chunk and warpgroup,
+    3.3 us) could not separate them: the margins (0-1 us) are below its error at two fold chunks."""
+    bm = _MID_BLOCK_MS[0]
+    if not SMALL_MAX_M < m <= 128 or not FOLD < k <= 2 * FOLD:
+        return None
+    return Plan("mid", bm, 2, 1, 2) if triton.cdiv(m, bm) * triton.cdiv(n, ROWS) <= sms else None
 
 
 def stream_plan(m: int, n: int, k: int, sms: int, warpgroups: int | None = None) -> Plan | None:
@@ -669,7 +694,7 @@ def plan(
     if stream and splits is None and warpgroups is None and _stream_wanted(m, n, k):
         return stream_plan(m, n, k, sms)
     if wide and splits is None and warpgroups is None:
-        how = _wide_default(m, n, k, sms)
+        how = _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)
         if how is not None:
             return how
     ws_ok = splits is None and warpgroups is None and ws and k % 32 == 0

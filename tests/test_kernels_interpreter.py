@@ -177,6 +177,19 @@ def test_wide_kernel_plans() -> None:
     # 32-row tiles beyond M = 32 (2048 x 2048, M = 64: 9.8 us against 11.8 for 64-row tiles)
     assert plan(64, 2048, 2048, 132, wide=True) == ("wide", 32, 1, 4, 2, 1)
     assert plan(32, 24576, 4096, 132, wide=True).family == "mid"  # 192 tiles: 1.5 waves
+    # two fold chunks: the mid-M kernel's 32-row tiles, one fold chunk per warpgroup, where they
+    # fit one wave (2048 x 1024 at M = 64: 7.3 us against 8.3 for the cluster split)
+    assert plan(64, 2048, 1024, 132, wide=True) == ("mid", 32, 2, 1, 2, 0)
+    assert plan(32, 5120, 1024, 132, wide=True) == ("mid", 32, 2, 1, 2, 0)
+    assert plan(24, 4096, 768, 132, wide=True) == ("mid", 32, 2, 1, 2, 0)
+    assert plan(96, 4096, 768, 132, wide=True).family == "wide"  # 192 CTAs of 32 rows
+    assert plan(32, 4096, 512, 132, wide=True).family == "wide"  # one fold chunk
+    assert w4a4_gemm_cuda.preferred(64, 2048, 1024, 132)
+    assert plan(192, 2048, 1024, 132, wide=True).family == "wide"  # 192 CTAs of 32 rows
+    assert plan(32, 2048, 2048, 132, wide=True).family == "wide"  # four fold chunks
+    # the warp-specialized kernel's fixed cost at short K (5120 x 1024 at M = 128: 11.5 us
+    # against 10.8 for unsplit 64-row wide tiles)
+    assert plan(128, 5120, 1024, 132, wide=True) == ("wide", 64, 2, 1, 2, 1)
     assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
     assert plan(300, 8192, 8192, 132, wide=True).family == "ws"  # past MAX_M
