@@ -4,7 +4,9 @@
 
 Peers: cuBLAS BF16 ``x @ w.t()``, torch FP8 row-wise ``torch._scaled_mm``, and the vLLM-style
 NVFP4 emulation (dequantize both operands, then a BF16 matmul). Times are medians of CUDA-graph
-replays; each timed call cycles through ``ROTATE`` weight copies so that no weight stays in L2.
+replays; each timed replay cycles through as many weight copies as make the NVFP4 copies at least
+twice the GPU's L2 (``rotations``; at least ``ROTATE``), and the grouped experts through as many
+routings, so that no peer's weight stays in L2 from one call to the next.
 Writes ``results.json`` and ``results.md`` to ``--out`` and prints the ratio table last.
 """
 
@@ -73,14 +75,23 @@ def nvfp4_bytes(rows: int, k: int) -> int:
     return rows * k // 2 + rows * k // 16
 
 
+def rotations(weight_bytes: int) -> int:
+    """Copies (or routings) per timed replay: ``weight_bytes`` each, together at least twice the
+    L2 (with four copies of a small weight, e.g. 5120 x 2048 in NVFP4, 24 MB, they stayed in the
+    H200's L2 and the NVFP4 kernels read them from there, cuBLAS's BF16 copies not)."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(ROTATE, -(-2 * l2 // weight_bytes))
+
+
 class Shape:
-    """Operands for one GEMM shape: ROTATE weights in NVFP4, BF16 and FP8, one activation."""
+    """Operands for one GEMM shape: ``rotate`` weights in NVFP4, BF16 and FP8, one activation."""
 
     def __init__(self, m: int, n: int, k: int, seed: int = 0):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.m, self.n, self.k = m, n, k
+        self.rotate = rotations(nvfp4_bytes(n, k))
         self.x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(ROTATE)]
+        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(self.rotate)]
         self.w_bf16 = ws
         # as the vLLM plugin holds them: with their kernel layout where a kernel reads one
         self.w_q = [with_kernel_layout(quantize_nvfp4(w, amax="tensor", block_2d=True)) for w in ws]
@@ -128,7 +139,7 @@ class Shape:
         return lambda: [w4a4_linear(self.x, w) for w in self.w_q]
 
 
-def safe(results: dict, key: str, fn, calls: int = ROTATE, graph: bool = True) -> float | None:
+def safe(results: dict, key: str, fn, calls: int, graph: bool = True) -> float | None:
     try:
         us = bench_us(fn, calls, graph)
     except Exception as e:  # one failing variant must not end the run
@@ -145,29 +156,31 @@ def bench_square(results: dict, variants: bool) -> None:
     for m in SQUARE_MS:
         s = Shape(m, n, k)
         tag = f"sq M={m}"
-        safe(results, f"{tag} cublas", s.cublas())
-        safe(results, f"{tag} fp8", s.fp8())
-        safe(results, f"{tag} emulation", s.emulation(), graph=False)  # creates CPU tensors
-        safe(results, f"{tag} ours", s.ours())
-        safe(results, f"{tag} ours+quant", s.ours_linear())
+        results.setdefault("rotations", {})[tag] = s.rotate
+        safe(results, f"{tag} cublas", s.cublas(), s.rotate)
+        safe(results, f"{tag} fp8", s.fp8(), s.rotate)
+        # the emulation creates CPU tensors: plain launches
+        safe(results, f"{tag} emulation", s.emulation(), s.rotate, graph=False)
+        safe(results, f"{tag} ours", s.ours(), s.rotate)
+        safe(results, f"{tag} ours+quant", s.ours_linear(), s.rotate)
         if not variants:
             continue
-        safe(results, f"{tag} ours bits-decode", s.ours(use_asm=False))
+        safe(results, f"{tag} ours bits-decode", s.ours(use_asm=False), s.rotate)
         if m <= 16:
             for cfg in (DecodeConfig(64, 16, 4, 3), DecodeConfig(64, 16, 4, 4),
                         DecodeConfig(64, 16, 4, 2, split_k=1), DecodeConfig(64, 16, 4, 2, 8),
                         DecodeConfig(64, 16, 4, 2, 16), DecodeConfig(64, 16, 4, 2, 0, True),
                         DecodeConfig(128, 16, 8, 2), DecodeConfig(128, 16, 4, 2)):  # fmt: skip
-                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg), s.rotate)
         if 16 < m <= 512:
             for cfg in (DecodeConfig(64, 64, 4, 3, split_k=1), DecodeConfig(64, 64, 4, 3, 1, True),
                         DecodeConfig(64, 64, 4, 3, 0, True), DecodeConfig(128, 64, 8, 3, 1, True),
                         DecodeConfig(64, 128, 4, 3, 1, True), DecodeConfig(128, 128, 8, 4, 1, True),
                         DecodeConfig(128, 128, 8, 3, 1), DecodeConfig(128, 256, 8, 3, 1, True),
                         DecodeConfig(128, 128, 8, 3, 0, True)):  # fmt: skip
-                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg), s.rotate)
         if 64 < m <= 1024:
-            safe(results, f"{tag} large-path", s.ours(config=gemm_mod.LARGE_CONFIG))
+            safe(results, f"{tag} large-path", s.ours(config=gemm_mod.LARGE_CONFIG), s.rotate)
         if m >= 1024:
             for cfg in (
                 LargeConfig(128, 256, 64, 8, 8, 3),
@@ -175,11 +188,12 @@ def bench_square(results: dict, variants: bool) -> None:
                 LargeConfig(256, 128, 64, 8, 8, 3),
                 LargeConfig(128, 256, 64, 8, 8, 4),
             ):
-                safe(results, f"{tag} {cfg}", s.ours(config=cfg))
+                safe(results, f"{tag} {cfg}", s.ours(config=cfg), s.rotate)
         if m == 8192:
             safe(results, f"{tag} decode A+W only", lambda s=s: [
                 gemm_mod.decode_operand(w.codes, w.scales, use_asm=True) for w in s.w_q
-            ] + [gemm_mod.decode_operand(s.a_q.codes, s.a_q.scales, use_asm=True)])  # fmt: skip
+            ] + [gemm_mod.decode_operand(s.a_q.codes, s.a_q.scales, use_asm=True)],
+                 s.rotate)  # fmt: skip
         del s
         torch.cuda.empty_cache()
 
@@ -189,10 +203,11 @@ def bench_qwen(results: dict) -> None:
         for m in QWEN_MS:
             s = Shape(m, n, k)
             tag = f"qwen {name} M={m}"
-            safe(results, f"{tag} cublas", s.cublas())
-            safe(results, f"{tag} fp8", s.fp8())
-            safe(results, f"{tag} ours", s.ours())
-            safe(results, f"{tag} ours+quant", s.ours_linear())
+            results.setdefault("rotations", {})[tag] = s.rotate
+            safe(results, f"{tag} cublas", s.cublas(), s.rotate)
+            safe(results, f"{tag} fp8", s.fp8(), s.rotate)
+            safe(results, f"{tag} ours", s.ours(), s.rotate)
+            safe(results, f"{tag} ours+quant", s.ours_linear(), s.rotate)
 
 
 def route(tokens: int, g: torch.Generator) -> torch.Tensor:
@@ -208,32 +223,34 @@ def bench_grouped(results: dict) -> None:
         w = torch.randn(EXPERTS * n, k, device="cuda", generator=g).bfloat16()
         w_q = quantize_nvfp4(w, amax="tensor", block_2d=True)
         w_b = w.view(EXPERTS, n, k)
+        w_t = w_b.transpose(1, 2)  # [G, K, N] view of the [G, N, K] weights
         for tokens in MOE_TOKENS:
-            sizes = route(tokens, g)
+            # routings per replay: a call reads the weights of the experts it routes to
+            hit = min(EXPERTS, tokens * TOP_K)
+            sizes = [route(tokens, g) for _ in range(rotations(hit * nvfp4_bytes(n, k)))]
             rows = tokens * TOP_K
             x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
             a_q = quantize_nvfp4(x, amax="row")
             tag = f"moe {name} T={tokens}"
-            offs = sizes.cumsum(0).to(torch.int32)
-            w_t = w_b.transpose(1, 2)  # [G, K, N] view of the [G, N, K] weights
+            offs = [s.cumsum(0).to(torch.int32) for s in sizes]
 
             def grouped_bf16(x=x, w_t=w_t, offs=offs):
-                torch._grouped_mm(x, w_t, offs=offs, out_dtype=torch.bfloat16)
+                for o in offs:
+                    torch._grouped_mm(x, w_t, offs=o, out_dtype=torch.bfloat16)
 
-            safe(results, f"{tag} torch._grouped_mm bf16", grouped_bf16, calls=1)
-            safe(
-                results,
-                f"{tag} ours",
-                lambda a_q=a_q, w_q=w_q, sizes=sizes: grouped_nvfp4_gemm_sm90(a_q, w_q, sizes),
-                calls=1,
-            )
-            safe(
-                results,
-                f"{tag} ours+quant",
-                lambda x=x, w_q=w_q, sizes=sizes: grouped_w4a4_linear(x, w_q, sizes),
-                calls=1,
-            )
+            def grouped_ours(a_q=a_q, w_q=w_q, sizes=sizes):
+                for s in sizes:
+                    grouped_nvfp4_gemm_sm90(a_q, w_q, s)
+
+            def grouped_ours_linear(x=x, w_q=w_q, sizes=sizes):
+                for s in sizes:
+                    grouped_w4a4_linear(x, w_q, s)
+
+            safe(results, f"{tag} torch._grouped_mm bf16", grouped_bf16, len(sizes))
+            safe(results, f"{tag} ours", grouped_ours, len(sizes))
+            safe(results, f"{tag} ours+quant", grouped_ours_linear, len(sizes))
             results.setdefault("moe_rows", {})[tag] = rows
+            results.setdefault("rotations", {})[tag] = len(sizes)
 
 
 def bench_quantize(results: dict) -> None:
