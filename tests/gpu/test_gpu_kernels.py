@@ -242,7 +242,8 @@ def test_grouped_gemm_equals_dense_per_group() -> None:
             assert torch.equal(y[start : start + size], dense), e
             dense32 = nvfp4_gemm(a.narrow_rows(start, size), w.narrow_rows(e * n, n),
                                  out_dtype=torch.float32)  # fmt: skip
-            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(128, 128, 8, 3), LargeConfig(),
+            for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(128, 128, 8, 3),
+                        DecodeConfig(128, 8, 4, 2), LargeConfig(),
                         LargeConfig(tma=False)):  # fmt: skip
                 got = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=cfg)
                 assert torch.equal(got[start : start + size], dense32), (e, cfg)
