@@ -281,7 +281,7 @@ def preferred(
     benchmarks/NOTES_kernels.md)."""
     if stream and _stream_wanted(m, n, k):
         return True
-    if wide and (_mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)) is not None:
+    if wide and _wide_operands_default(m, n, k, sms) is not None:
         return True
     if m <= PREFERRED_MAX_M:
         return n * k <= PREFERRED_MAX_WEIGHT
@@ -474,6 +474,13 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
     return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2") <= ws_us
+
+
+def _wide_operands_default(m: int, n: int, k: int, sms: int) -> Plan | None:
+    """The default plan where the register-A wide kernel can read the operands: the mid-M
+    kernel's at two fold chunks (:func:`_mid_default`), else the wide kernel's where it is the
+    default (:func:`_wide_default`), else None."""
+    return _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)
 
 
 def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
@@ -694,7 +701,7 @@ def plan(
     if stream and splits is None and warpgroups is None and _stream_wanted(m, n, k):
         return stream_plan(m, n, k, sms)
     if wide and splits is None and warpgroups is None:
-        how = _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)
+        how = _wide_operands_default(m, n, k, sms)
         if how is not None:
             return how
     ws_ok = splits is None and warpgroups is None and ws and k % 32 == 0
