@@ -1,6 +1,7 @@
 """The CUDA GEMM's planner for 16 < M <= 256 against every plan it could have picked (issue 13).
 
-    PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout] [--ms 32,64,128,256]
+    PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout,short-k]
+                                                    [--ms 32,64,128,256]
                                                     [--out DIR]
 
 For each weight shape and batch size, ``w4a4_linear``'s CUDA path (the activation quantized into
@@ -32,7 +33,9 @@ from minite_kernels import w4a4_gemm_cuda as cu
 from minite_common import quantize_nvfp4, w4a4_linear, with_kernel_layout
 
 #: (N, K) weight shapes. ``fit``: the shapes the wide kernels' split terms were fitted to;
-#: ``holdout``: shapes the planner was checked on afterwards.
+#: ``holdout``: shapes the planner was checked on afterwards; ``short-k``: K <= 1536, where the
+#: mid-M kernel's two-fold-chunk rule (``w4a4_gemm_cuda._mid_default``) and the warp-specialized
+#: kernel's fixed cost were checked (the last four were used for no choice).
 SHAPES = {
     "fit": {
         "Qwen3-14B qkv": (7168, 5120),
@@ -63,6 +66,20 @@ SHAPES = {
         "Qwen3-30B-A3B qkv, TP 4": (1280, 2048),
         "Qwen3-32B o, TP 8": (5120, 1024),
         "Qwen3-32B down, TP 8": (5120, 3200),
+    },
+    "short-k": {
+        "4096 x 1024": (4096, 1024),
+        "8192 x 1024": (8192, 1024),
+        "3072 x 1024": (3072, 1024),
+        "4096 x 768": (4096, 768),
+        "2048 x 768": (2048, 768),
+        "8192 x 512": (8192, 512),
+        "4096 x 512": (4096, 512),
+        "4096 x 1536": (4096, 1536),
+        "6144 x 768": (6144, 768),
+        "1536 x 1024": (1536, 1024),
+        "2560 x 896": (2560, 896),
+        "5120 x 640": (5120, 640),
     },
 }
 
@@ -121,11 +138,15 @@ def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="fit,holdout", help="comma list of: fit, holdout")
+    groups = ", ".join(SHAPES)
+    parser.add_argument("--shapes", default="fit,holdout", help=f"comma list of: {groups}")
     parser.add_argument("--ms", default="32,48,64,96,128,192,256")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"--shapes: unknown {sorted(unknown)}; choose from {groups}")
     if not all(cu.SMALL_MAX_M < m <= cu.ROWS_MAX_M for m in ms):
         parser.error(f"--ms: each M must be in ({cu.SMALL_MAX_M}, {cu.ROWS_MAX_M}]")
     if not torch.cuda.is_available() or not cu.available(torch.device("cuda")):
