@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import w4a4_gemm_cuda
@@ -163,6 +164,7 @@ def _w4a4_decode_gemm_kernel(
     A_DECODED: tl.constexpr,
     EVEN_K: tl.constexpr,
     FOLD_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -171,7 +173,10 @@ def _w4a4_decode_gemm_kernel(
     GROUPED: row tile pid1 of the expert-grouped rows (``sizes`` [G] on the device), against its
     expert's weight rows; else rows pid1*BLOCK_M.. of A against weight rows 0..N-1. SPLIT: write
     chunk partials to ``partials`` [chunks, M, N]; the tile's last program folds and stores
-    (PARTIALS_ONLY: nobody folds, the partials are the result)."""
+    (PARTIALS_ONLY: nobody folds, the partials are the result). PDL: launched as a programmatic
+    dependent of the previous kernel (the activation's quantizer), so wait for it first."""
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     row_start, row_end, w_row0, exists = _row_tile(sizes, G, pid_m, M, N, GROUPED, BLOCK_M, BLOCK_G)
@@ -382,6 +387,7 @@ class LargeConfig:
 
 #: Options chosen from the H200 measurements in benchmarks/NOTES_kernels.md.
 USE_ASM_DECODE = True
+PDL_DECODE_GEMM = True
 LARGE_CONFIG = LargeConfig()
 
 
@@ -483,6 +489,10 @@ def _launch_decode_gemm(
         partials = counters = a_dec
     groups = sizes.numel() if sizes is not None else 1
     aw, ww = code_words(a.codes), code_words(w.codes)
+    # programmatic dependent launch on the GPU: the programs start (launch, set-up) while the
+    # activation's quantizer, which triggers it at its start, still runs
+    pdl = PDL_DECODE_GEMM and a.codes.is_cuda
+    launch = {"launch_pdl": True} if pdl else {}
     _w4a4_decode_gemm_kernel[(tiles_n, tiles_m, splits)](
         aw, aw.stride(0), a.scales.view(torch.uint8), a.scales.stride(0), a_dec, a_dec_stride,
         ww, ww.stride(0), w.scales.view(torch.uint8), w.scales.stride(0), w_dec, w_dec_stride,
@@ -491,10 +501,10 @@ def _launch_decode_gemm(
         GROUPED=sizes is not None, HAS_BIAS=bias is not None, USE_ASM=use_asm,
         INTERPRETED=_INTERPRETED, SPLIT=splits > 1 or partials_only,
         PARTIALS_ONLY=partials_only, A_DECODED=cfg.a_decoded,
-        EVEN_K=k % CHUNK == 0, FOLD_SIZE=FOLD,
+        EVEN_K=k % CHUNK == 0, FOLD_SIZE=FOLD, PDL=pdl,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         BLOCK_G=triton.next_power_of_2(groups), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False,
+        num_stages=cfg.num_stages, enable_fp_fusion=False, **launch,
     )  # fmt: skip
 
 

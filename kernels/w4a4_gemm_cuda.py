@@ -88,6 +88,11 @@ _STREAM_WARPGROUPS = (2, 3)
 #: the H200 it was 1.1-1.7x the previous default from N = 2048, K = 4096 up, except N = K = 8192
 #: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
 STREAM_MIN_WEIGHT = 1 << 23
+#: Below that weight, 8 < M <= 16 takes the image families' plan for 16 < M <= 32 (32-row
+#: tiles, :func:`_image_low_m`): on the H200 the Triton decode GEMM after the quantizer there ran
+#: 1.15-1.45x the time of the best such plan on all 60 (shape, M) points measured (20 weights of
+#: 0.4-6.6 Mi elements, M = 9 / 12 / 16; benchmarks/NOTES_kernels.md).
+IMAGE_MIN_M = 8
 _STREAM_RING_BYTES = 200704
 #: The streamed kernel's batch tile that has an image-reading variant (w4a4_linear, 8 < M <= 16).
 _STREAM_IMAGE_BLOCK_M = 16
@@ -455,7 +460,7 @@ def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The wide kernel's plan where it is the default (16 < M <= 256, see
     :func:`_wide_wanted`), else None (cached: the dispatch asks per call, the model loops over
     tiles and split counts)."""
-    if not SMALL_MAX_M < m <= MAX_M or k % CHUNK:
+    if not (SMALL_MAX_M < m <= MAX_M or _image_low_m(m, n, k)) or k % CHUNK:
         return None
     how = wide_plan(m, n, k, sms)
     return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
@@ -483,6 +488,12 @@ def _wide_operands_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     return _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)
 
 
+def _image_low_m(m: int, n: int, k: int) -> bool:
+    """8 < M <= 16 on a weight below :data:`STREAM_MIN_WEIGHT`: the mid-M and wide kernels'
+    defaults extend to it (see :data:`IMAGE_MIN_M`)."""
+    return IMAGE_MIN_M < m <= SMALL_MAX_M and n * k < STREAM_MIN_WEIGHT
+
+
 def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The mid-M kernel's plan where it is the default over the wide kernels: two fold chunks
     (FOLD < K <= 2 FOLD), one per warpgroup of its 32-row two-warpgroup plan, at 16 < M <= 128
@@ -496,7 +507,7 @@ def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     9.4). A mid-kernel time model on the wide model's scale (0.93 us per chunk and warpgroup,
     3.3 us) could not separate them: the margins (0-1 us) are below its error at two fold chunks."""
     bm = _MID_BLOCK_MS[0]
-    if not SMALL_MAX_M < m <= 128 or not FOLD < k <= 2 * FOLD:
+    if not (SMALL_MAX_M < m <= 128 or _image_low_m(m, n, k)) or not FOLD < k <= 2 * FOLD:
         return None
     return Plan("mid", bm, 2, 1, 2) if triton.cdiv(m, bm) * triton.cdiv(n, ROWS) <= sms else None
 
@@ -801,18 +812,20 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     """The plan for ``quantize(x) @ w.T`` (per-row amax, the contract's activation quantizer) where
     :func:`gemm_rows` serves it, ``x`` being BF16 [M, K] with 16-byte aligned rows: the GEMM the
     quantized ``x`` would get by default reads a decoded activation image
-    (:data:`_IMAGE_FAMILIES`) and 16 < M <= :data:`ROWS_MAX_M`, or it is the streamed kernel's
-    16-row plan (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else
-    None."""
+    (:data:`_IMAGE_FAMILIES`) and 8 < M <= :data:`ROWS_MAX_M` (M <= 16 only below
+    :data:`STREAM_MIN_WEIGHT`, :func:`_image_low_m`), or it is the streamed kernel's 16-row plan
+    (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else None."""
     m, k = x.shape
     # the streamed kernel's image variant has a 16-row tile only: smaller M quantizes separately
     if not _STREAM_BLOCK_MS[0] < m <= ROWS_MAX_M or not _rows_operands_fit(x, w, out_dtype):
         return None
     if m <= SMALL_MAX_M:
-        return _stream_rows_plan(x, w)
+        how = _stream_rows_plan(x, w)
+        if how is not None:
+            return how
     if k % 16 or not _rows_8b(w.codes):
         return None
-    ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # M > 16: never the streamed kernel
+    ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # the image families (not streamed)
     if not _chosen(m, w, x.device, ws, False, wide):
         return None
     how = plan(m, w.rows, k, _sms(x.device), ws=ws, wide=wide)

@@ -95,7 +95,8 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     # consumer warpgroups while there are at most two units per SM
     assert preferred(1, 8192, 8192, 132) and preferred(16, 2048, 4096, 132)
     assert not preferred(1, 8192, 8192, 132, stream=False)
-    assert not preferred(16, 1536, 2048, 132)
+    # below the streamed kernel's threshold, 8 < M <= 16: the register-A / mid-M plans of M = 32
+    assert preferred(16, 1536, 2048, 132) and not preferred(16, 1536, 2048, 132, wide=False)
     assert not preferred(17, 8192, 8192, 132, ws=False, wide=False)
     assert plan(1, 8192, 8192, 132, stream=True) == ("stream", 8, 1, 1, 3, 0)
     assert plan(16, 2048, 4096, 132, stream=True) == ("stream", 16, 1, 1, 2, 0)
@@ -193,6 +194,18 @@ def test_wide_kernel_plans() -> None:
     assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
     assert plan(300, 8192, 8192, 132, wide=True).family == "ws"  # past MAX_M
+    # 8 < M <= 16 below the streamed kernel's threshold: the plans of M = 17-32 (2048 x 768 at
+    # M = 16: 7.1 us against 11.3 for the Triton decode GEMM); the streamed kernel above it
+    for n, k in ((2048, 768), (1024, 2048), (2560, 2560), (4096, 512)):
+        for m in (9, 12, 16):
+            assert plan(m, n, k, 132, wide=True) == plan(17, n, k, 132, wide=True), (n, k, m)
+            assert w4a4_gemm_cuda.preferred(m, n, k, 132)
+        assert plan(8, n, k, 132, wide=True).family == "small"
+    assert plan(12, 2048, 768, 132, wide=True) == ("mid", 32, 2, 1, 2, 0)
+    assert plan(16, 2560, 2560, 132, wide=True) == ("wide", 32, 1, 5, 2, 1)
+    assert plan(16, 5120, 2048, 132, stream=True, wide=True).family == "stream"
+    assert plan(16, 4096, 4096, 132, wide=True).family == "small"  # a streamed weight's shape
+    assert not w4a4_gemm_cuda.preferred(16, 4096, 4096, 132, stream=False)
     for m, n, k in ((17, 8192, 8192), (64, 2048, 4096), (200, 6144, 4096), (256, 4096, 12288)):
         how = wide_plan(m, n, k, 132)
         tiles = -(-m // how.block_m) * -(-n // w4a4_gemm_cuda.WIDE_ROWS)

@@ -591,13 +591,15 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """The activation pass that quantizes BF16 rows itself (w4a4_linear at 16 < M <= 256 on the
-    image-reading CUDA kernels, and at 8 < M <= 16 on the streamed kernel's image variant for a
-    weight with its kernel layout) gives the bits of the quantizer followed by nvfp4_gemm: every
+    image-reading CUDA kernels, at 8 < M <= 16 on them for a weight below the streamed kernel's
+    threshold and on the streamed kernel's image variant for a weight with its kernel layout)
+    gives the bits of the quantizer followed by nvfp4_gemm and by the Triton decode GEMM: every
     input kind (ties, subnormal and saturated block scales, NaN/Inf/zero rows), bias, three
     output types, strided rows, N and K off the tile sizes; it serves where it should, and
     replays in CUDA graphs."""
     from minite_kernels import quantized_rows_gemm
     from minite_kernels import w4a4_gemm_cuda as cu
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
 
     from minite_common import with_kernel_layout
 
@@ -605,11 +607,14 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
         monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     served = set()
     # K = 1056 (K % 128 != 0) keeps the warp-specialized kernel the default at M > 32
-    shapes = ((5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024), (8200, 1056))
+    shapes = (
+        (5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024), (8200, 1056),
+        (1536, 768), (1024, 2048),
+    )  # fmt: skip
     for i, (n, k) in enumerate(shapes):
         w0 = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(50 + i)).cuda().bfloat16()
-        layouts = [(w0, m) for m in (1, 16, 17, 40, 64, 129, 256, 300, 1024)]
+        layouts = [(w0, m) for m in (1, 9, 16, 17, 40, 64, 129, 256, 300, 1024)]
         layouts += [(with_kernel_layout(w0), m) for m in (1, 8, 9, 12, 16)]
         for w, m in layouts:
             kind = ("normal", "heavy", "blocks", "ties", "specials")[(m + i) % 5]
@@ -621,12 +626,18 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
                 plan = cu.rows_plan(x, w, out)
                 assert (got is None) == (plan is None), (n, k, m)
                 assert plan is None or 8 < m <= cu.ROWS_MAX_M, (n, k, m)
-                assert plan is None or m > 16 or w.kernel_layout is not None, (n, k, m)
+                small = n * k < cu.STREAM_MIN_WEIGHT
+                assert plan is None or m > 16 or w.kernel_layout is not None or small, (n, k, m)
+                if mode == "auto" and small and 8 < m <= 16 and k % 128 == 0:
+                    assert plan is not None and plan.family in ("mid", "wide"), (n, k, m)
                 if got is None:
                     continue
                 served.add(plan.family)
                 want = nvfp4_gemm(a, w, b, out_dtype=out)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m, out)
+                if m <= 256:
+                    triton_y = nvfp4_gemm_sm90(a, w, b, out, config=decode_config(m))
+                    assert torch.equal(got.view(torch.uint8), triton_y.view(torch.uint8))
             y = w4a4_linear(x, w)  # the public path (fused where served), rows batch-invariant
             assert torch.equal(y.view(torch.int16), nvfp4_gemm(a, w).view(torch.int16))
             assert torch.equal(w4a4_linear(x[:1], w).view(torch.int16), y[:1].view(torch.int16))
