@@ -1,6 +1,6 @@
-"""The CUDA GEMM's planner for 16 < M <= 256 against every plan it could have picked (issue 13).
+"""The CUDA GEMM's planner for 8 < M <= 256 against every plan it could have picked (issue 13).
 
-    PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout,short-k]
+    PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout,short-k,small]
                                                     [--ms 32,64,128,256]
                                                     [--out DIR]
 
@@ -8,7 +8,8 @@ For each weight shape and batch size, ``w4a4_linear``'s CUDA path (the activatio
 its image, then the GEMM: ``w4a4_gemm_cuda.gemm_rows``) runs under every plan of the image-reading
 families: the register-A wide kernel at batch tiles 32 / 64 / 128, unsplit, K split through the
 workspace into every count whose grid fits one wave, and K split over two-CTA clusters; the
-warp-specialized kernel's tiles; the mid-M kernel's. Every plan's output is checked bitwise
+warp-specialized kernel's tiles; the mid-M kernel's; and the default plan where it is none of
+these (the streamed kernel at M <= 16). Every plan's output is checked bitwise
 against the first one's (the contract: one accumulation order), then timed by CUDA-graph replay
 over enough weight copies to leave L2 (at least 160 MB). Prints per point the default plan's
 time, the fastest plan and the ratio default / fastest, with cuBLAS BF16 and ``w4a4_linear`` in
@@ -35,7 +36,9 @@ from minite_common import quantize_nvfp4, w4a4_linear, with_kernel_layout
 #: (N, K) weight shapes. ``fit``: the shapes the wide kernels' split terms were fitted to;
 #: ``holdout``: shapes the planner was checked on afterwards; ``short-k``: K <= 1536, where the
 #: mid-M kernel's two-fold-chunk rule (``w4a4_gemm_cuda._mid_default``) and the warp-specialized
-#: kernel's fixed cost were checked (the last four were used for no choice).
+#: kernel's fixed cost were checked (the last four were used for no choice); ``small``: weights
+#: below the streamed kernel's threshold, where 8 < M <= 16 takes the plans of M = 17-32
+#: (``w4a4_gemm_cuda._image_low_m``; run with ``--ms 9,12,16``).
 SHAPES = {
     "fit": {
         "Qwen3-14B qkv": (7168, 5120),
@@ -81,6 +84,20 @@ SHAPES = {
         "2560 x 896": (2560, 896),
         "5120 x 640": (5120, 640),
     },
+    "small": {
+        "Qwen3-30B-A3B o, TP 4": (2048, 1024),
+        "Qwen3-30B-A3B qkv, TP 4": (1280, 2048),
+        "Qwen3-30B-A3B o, TP 2": (2048, 2048),
+        "Qwen3-30B-A3B qkv, TP 2": (2560, 2048),
+        "Qwen3-1.7B qkv": (4096, 2048),
+        "Qwen3-1.7B o": (2048, 2048),
+        "Qwen3-0.6B qkv": (4096, 1024),
+        "Qwen3-0.6B gate/up": (6144, 1024),
+        "Qwen3-0.6B down": (1024, 3072),
+        "2048 x 768": (2048, 768),
+        "4096 x 512": (4096, 512),
+        "2560 x 2560": (2560, 2560),
+    },
 }
 
 
@@ -107,6 +124,11 @@ def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
     return sorted(plans)
 
 
+def _plans_with(default: cu.Plan, m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
+    """:func:`candidate_plans`, the default plan first (timed even when it is none of them)."""
+    return [default] + [p for p in candidate_plans(m, n, k, sms) if p != default]
+
+
 def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -> dict:
     """Time every candidate plan (bits checked against the first) and the default one."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -124,7 +146,7 @@ def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -
         "plans": {},
     }  # fmt: skip
     first = first_plan = None
-    for how in candidate_plans(m, n, k, sms):
+    for how in _plans_with(default, m, n, k, sms):
         cu.gemm_rows(x, weights[0], None, y, how)
         if first is None:
             first, first_plan = y.clone(), how
@@ -147,8 +169,8 @@ def main() -> int:
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"--shapes: unknown {sorted(unknown)}; choose from {groups}")
-    if not all(cu.SMALL_MAX_M < m <= cu.ROWS_MAX_M for m in ms):
-        parser.error(f"--ms: each M must be in ({cu.SMALL_MAX_M}, {cu.ROWS_MAX_M}]")
+    if not all(cu.IMAGE_MIN_M < m <= cu.ROWS_MAX_M for m in ms):
+        parser.error(f"--ms: each M must be in ({cu.IMAGE_MIN_M}, {cu.ROWS_MAX_M}]")
     if not torch.cuda.is_available() or not cu.available(torch.device("cuda")):
         print("needs a GPU the CUDA C++ kernels serve (Hopper)", file=sys.stderr)
         return 1
