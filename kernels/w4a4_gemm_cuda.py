@@ -89,9 +89,9 @@ _STREAM_WARPGROUPS = (2, 3)
 #: and 6144 x 4096 at M = 16, 4-6% slower; below, 1536 x 2048 and 2048 x 768 lost at M = 1).
 STREAM_MIN_WEIGHT = 1 << 23
 #: Below that weight, 8 < M <= 16 takes the image families' plan for 16 < M <= 32 (32-row
-#: tiles, :func:`_image_low_m`): on the H200 the Triton decode GEMM after the quantizer there ran
-#: 1.15-1.45x the time of the best such plan on all 60 (shape, M) points measured (20 weights of
-#: 0.4-6.6 Mi elements, M = 9 / 12 / 16; benchmarks/NOTES_kernels.md).
+#: tiles, :func:`_image_low_m`): on the H200 the Triton decode GEMM after the quantizer, the
+#: previous default there, took 1.18-1.85x the time of these plans in `w4a4_linear` (22 weights of
+#: 0.4-7.3 Mi elements, M = 9 / 16; benchmarks/NOTES_kernels.md, twentieth session).
 IMAGE_MIN_M = 8
 _STREAM_RING_BYTES = 200704
 #: The streamed kernel's batch tile that has an image-reading variant (w4a4_linear, 8 < M <= 16).
