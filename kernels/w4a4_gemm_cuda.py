@@ -12,7 +12,8 @@ in shared memory) or, the default at 16 < M <= 256, register-A (a producer warpg
 weight rows' codes and the decoded activation, two consumer warpgroups decode the codes into wgmma
 fragments; K split over fold chunks by a time model, through a float32 workspace or over a two-CTA
 cluster whose second CTA hands each fold chunk's partial to the first by bulk copy between their
-shared memories). It computes the same bits as the Triton decode GEMM (contract v2 K order; tests
+shared memories). On weights below ``STREAM_MIN_WEIGHT`` the mid-M and register-A defaults start at
+M = 9. It computes the same bits as the Triton decode GEMM (contract v2 K order; tests
 pin this). By default it serves the shapes where it measured faster than the Triton kernel on the
 H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it supports, ``0`` turns
 it off; without NVRTC or nvcc the Triton kernel serves everything."""
