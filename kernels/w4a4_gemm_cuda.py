@@ -458,9 +458,9 @@ def wide_plan(
 
 @functools.cache
 def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
-    """The wide kernel's plan where it is the default (16 < M <= 256, see
-    :func:`_wide_wanted`), else None (cached: the dispatch asks per call, the model loops over
-    tiles and split counts)."""
+    """The wide kernel's plan where it is the default (16 < M <= 256, and 8 < M <= 16 on small
+    weights, :func:`_image_low_m`; see :func:`_wide_wanted`), else None (cached: the dispatch
+    asks per call, the model loops over tiles and split counts)."""
     if not (SMALL_MAX_M < m <= MAX_M or _image_low_m(m, n, k)) or k % CHUNK:
         return None
     how = wide_plan(m, n, k, sms)
@@ -498,15 +498,16 @@ def _image_low_m(m: int, n: int, k: int) -> bool:
 def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The mid-M kernel's plan where it is the default over the wide kernels: two fold chunks
     (FOLD < K <= 2 FOLD), one per warpgroup of its 32-row two-warpgroup plan, at 16 < M <= 128
-    while that grid fits one wave. There the wide kernel can split K in two at most, and its
-    fixed costs (producer ring, hand-over or workspace fold, epilogue through shared memory)
-    outweigh its cheaper chunks. Set on 2048 / 5120 x 1024 and 2048 / 4096 x 768 (H200,
-    gemm_rows: 0.86-0.98x the wide kernel's time at M = 24-96, even at M = 128, where four batch
-    tiles each decode the weight); on seven shapes not used to set it (N = 1536-8192, K = 640-1024)
-    0.92-0.99x. Longer K and larger grids lost (2048 x 2048 at M = 32: 11.3 against 9.3 us;
-    4096 x 1536 at M = 24-64: 10.9-11.1 against 9.4-10.3; 2048 x 1024 at M = 192: 14.2 against
-    9.4). A mid-kernel time model on the wide model's scale (0.93 us per chunk and warpgroup,
-    3.3 us) could not separate them: the margins (0-1 us) are below its error at two fold chunks."""
+    (and 8 < M <= 16 on small weights, :func:`_image_low_m`) while that grid fits one wave.
+    There the wide kernel can split K in two at most, and its fixed costs (producer ring,
+    hand-over or workspace fold, epilogue through shared memory) outweigh its cheaper chunks.
+    Set on 2048 / 5120 x 1024 and 2048 / 4096 x 768 (H200, gemm_rows: 0.86-0.98x the wide
+    kernel's time at M = 24-96, even at M = 128, where four batch tiles each decode the weight);
+    on seven shapes not used to set it (N = 1536-8192, K = 640-1024) 0.92-0.99x. Longer K and
+    larger grids lost (2048 x 2048 at M = 32: 11.3 against 9.3 us; 4096 x 1536 at M = 24-64:
+    10.9-11.1 against 9.4-10.3; 2048 x 1024 at M = 192: 14.2 against 9.4). A mid-kernel time
+    model on the wide model's scale (0.93 us per chunk and warpgroup, 3.3 us) could not separate
+    them: the margins (0-1 us) are below its error at two fold chunks."""
     bm = _MID_BLOCK_MS[0]
     if not (SMALL_MAX_M < m <= 128 or _image_low_m(m, n, k)) or not FOLD < k <= 2 * FOLD:
         return None
