@@ -403,10 +403,12 @@ def decode_config(rows: int) -> DecodeConfig:
 
 
 #: The grouped decode GEMM's tiles where groups average at most one row (MoE decode steps of up
-#: to 16 tokens at top-8 of 128 experts): 8-row tiles (m64n8 wgmma). On the H200 (2026-12-04,
-#: routings rotated past L2) 0.85-0.93x the 16-row tiles' time at 1 / 4 / 16 tokens on the
-#: Qwen3-30B-A3B experts (2048 -> 2 x 768, 768 -> 2048); same bits.
-GROUPED_FEW_ROWS_CONFIG = DecodeConfig(128, 8, 4, 2)
+#: to 16 tokens at top-8 of 128 experts): 8-row tiles (m64n8 wgmma), three stages, K split only
+#: where it spares a program two fold chunks (:func:`_splits`). On the H200 (2026-12-04, routings
+#: rotated past L2) the 8-row tiles ran 0.85-0.93x the 16-row tiles' time at 1 / 4 / 16 tokens on
+#: the Qwen3-30B-A3B experts; the stages and the split rule, benchmarks/NOTES_kernels.md
+#: (twentieth session). Same bits.
+GROUPED_FEW_ROWS_CONFIG = DecodeConfig(128, 8, 4, 3)
 
 
 @functools.cache
@@ -430,11 +432,24 @@ def _chunks_per_split(cfg: DecodeConfig, tiles: int, rows: int, n: int, k: int, 
     else:
         if n_chunks * rows * n * 4 > SPLIT_WORKSPACE_BYTES:
             return n_chunks
-        sms = _num_sms(device)
-        if cfg.block_m > 16 and 2 * tiles >= sms:
-            return n_chunks  # MMA-heavy tiles: split only an under-filled launch
-        splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles)
+        splits = _splits(cfg.block_m, tiles, n_chunks, _num_sms(device))
     return triton.cdiv(n_chunks, max(1, min(splits, n_chunks)))
+
+
+def _splits(block_m: int, tiles: int, n_chunks: int, sms: int) -> int:
+    """The automatic split count along K (1: none) of a launch of ``tiles`` tiles of ``block_m``
+    rows over ``n_chunks`` fold chunks: about SPLIT_PROGRAMS_PER_SM programs per SM; MMA-heavy
+    tiles (more than 16 rows) only when the launch is under-filled. 8-row tiles (the grouped
+    decode steps) stay within that many programs per SM and split only where a program is spared
+    at least two fold chunks: the split's partials, counter and fold cost about as much as one
+    fold chunk of a latency-bound program (H200, 2026-12-04: 0.78-0.90x the time where this keeps
+    the whole K per program, on 768 / 1024 / 1408 / 1536 -> 2048-4096 experts at 1-4 tokens)."""
+    if block_m > 16 and 2 * tiles >= sms:
+        return 1
+    if block_m > 8:
+        return triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles)
+    splits = min(max(1, SPLIT_PROGRAMS_PER_SM * sms // tiles), n_chunks)
+    return splits if n_chunks - triton.cdiv(n_chunks, splits) >= 2 else 1
 
 
 def _vector_arg(t: torch.Tensor) -> tuple[torch.Tensor, int]:

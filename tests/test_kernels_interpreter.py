@@ -224,6 +224,24 @@ def test_wide_kernel_plans() -> None:
     assert wide_plan(64, 8192, 8192 + 64, 132) is None  # K % 128 != 0
 
 
+def test_decode_gemm_split_rule() -> None:
+    """The Triton decode GEMM's automatic split along K: about four programs per SM; MMA-heavy
+    tiles only when under-filled; 8-row tiles (grouped decode steps) only where a program is
+    spared two fold chunks (H200: 0.78-0.90x the time where this keeps the whole K)."""
+    pytest.importorskip("triton")
+    from minite_kernels.w4a4_gemm import GROUPED_FEW_ROWS_CONFIG, _splits
+
+    assert GROUPED_FEW_ROWS_CONFIG.block_m == 8
+    assert _splits(16, 64, 16, 132) == 9 and _splits(64, 70, 16, 132) == 1
+    assert _splits(64, 20, 16, 132) == 27  # an under-filled launch of MMA-heavy tiles
+    # Qwen3-30B-A3B experts at one token: 8 routed rows, 128-row weight tiles
+    assert _splits(8, 8 * 16, 2, 132) == 1  # 768 -> 2048: a split would spare one fold chunk
+    assert _splits(8, 8 * 12, 4, 132) == 4  # 2048 -> 2 x 768: three spared
+    assert _splits(8, 16 * 12, 4, 132) == 2  # two tokens: two programs per tile
+    assert _splits(8, 32 * 12, 4, 132) == 1  # four tokens: the programs fill the GPU
+    assert _splits(8, 8 * 32, 3, 132) == 1  # 1536 -> 4096: two splits spare one chunk
+
+
 def _unit_layout_by_reading_order(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The streamed kernel's unit layout built element by element from what each consumer thread
     reads (the canonical kernel's ``stream_raw``: rows r0 = 16 warp + lane / 4 and r0 + 8, code
