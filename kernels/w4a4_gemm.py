@@ -387,7 +387,6 @@ class LargeConfig:
 
 #: Options chosen from the H200 measurements in benchmarks/NOTES_kernels.md.
 USE_ASM_DECODE = True
-PDL_DECODE_GEMM = True
 LARGE_CONFIG = LargeConfig()
 
 
@@ -506,7 +505,7 @@ def _launch_decode_gemm(
     aw, ww = code_words(a.codes), code_words(w.codes)
     # programmatic dependent launch on the GPU: the programs start (launch, set-up) while the
     # activation's quantizer, which triggers it at its start, still runs
-    pdl = PDL_DECODE_GEMM and a.codes.is_cuda
+    pdl = a.codes.is_cuda
     launch = {"launch_pdl": True} if pdl else {}
     _w4a4_decode_gemm_kernel[(tiles_n, tiles_m, splits)](
         aw, aw.stride(0), a.scales.view(torch.uint8), a.scales.stride(0), a_dec, a_dec_stride,
