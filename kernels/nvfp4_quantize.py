@@ -265,7 +265,11 @@ def _absmax_kernel(
     tl.store(part_nonfinite_ptr + pid, tl.max(nonfinite, axis=0))
 
 
+#: The longest rows the one-pass kernels hold in registers: the generic kernel's tile, and the
+#: BF16-rows kernel's, whose warps grow with K so that a thread holds at most 64 elements (32 warps
+#: at 65536). Longer rows take two passes over tiles.
 _SINGLE_PASS_MAX_K = 16384
+_BF16_ROWS_MAX_K = 65536
 
 
 def _bf16_words(x: torch.Tensor) -> bool:
@@ -324,12 +328,12 @@ def quantize_nvfp4_triton(
         if not given:
             amax_arg = parts.amax()
         single = False
-    elif k <= _SINGLE_PASS_MAX_K and not block_2d and _bf16_words(x):
+    elif k <= _BF16_ROWS_MAX_K and not block_2d and _bf16_words(x):
         block_k = triton.next_power_of_2(k)
-        # one row per program; 8 warps for a few rows (decode steps: the shortest per-row chain),
-        # else at most 64 elements per thread (H200, 2026-12-04: 2.0-2.8 TB/s at K = 2048-16384,
-        # 1.1-1.3x the previous tiles of 16384 elements at 8 warps)
-        warps = 8 if rows <= _ONE_ROW_PROGRAMS else min(8, max(4, block_k // 2048))
+        # one row per program; at least 8 warps for a few rows (decode steps: the shortest
+        # per-row chain), and at most 64 elements per thread (H200, 2026-12-04: 2.0-2.8 TB/s at
+        # K = 2048-16384, 1.1-1.3x the previous tiles of 16384 elements at 8 warps)
+        warps = min(32, max(8 if rows <= _ONE_ROW_PROGRAMS else 4, block_k // 2048))
         _quantize_bf16_rows_kernel[(rows,)](
             x.view(torch.int32), x.stride(0) // 2, codes, scales, decode, amax_arg, amax_stride,
             k,
@@ -342,8 +346,9 @@ def quantize_nvfp4_triton(
         # a few rows (decode steps): one row per program, so that they run side by side
         block_m = 1 if rows <= _ONE_ROW_PROGRAMS else max(1, _TILE_ELEMENTS // block_k)
         single = True
-    else:
-        block_m, block_k, single = 4, 512, False
+    else:  # two passes over tiles: a few rows one per program, so that they run side by side
+        block_m, block_k = (1, 4096) if rows <= _ONE_ROW_PROGRAMS else (4, 512)
+        single = False
     _quantize_nvfp4_kernel[(triton.cdiv(rows, block_m),)](
         x, x.stride(0), x.stride(1), codes, scales, decode, amax_arg, amax_stride, nonfinite,
         rows, k,

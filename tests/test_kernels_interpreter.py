@@ -114,12 +114,16 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert preferred(32, 24576, 4096, 132)  # mid M: 384 CTAs
     assert preferred(65, 2048, 4096, 132)
     assert preferred(256, 8192, 8192, 132) and preferred(768, 24576, 4096, 132)
-    # M > 896 where the large-M kernel's grid fills >= 90% of its last wave: the Triton kernel
-    assert not preferred(1024, 24576, 4096, 132) and not preferred(1000, 8192, 8192, 132)
+    # without the register-A kernel, M > 896 where the large-M kernel's grid fills >= 90% of its
+    # last wave: the Triton kernel; with it, the register-A kernel up to M = 1024
+    assert not preferred(1024, 24576, 4096, 132, wide=False)
+    assert not preferred(1000, 8192, 8192, 132, wide=False)
+    assert preferred(1024, 24576, 4096, 132) and preferred(1000, 8192, 8192, 132)
     assert preferred(1024, 6144, 4096, 132) and preferred(1024, 2048, 4096, 132)
     assert (LARGE_CONFIG.block_n, LARGE_CONFIG.block_m) == w4a4_gemm_cuda.LARGE_TILE
     assert not preferred(256, 8192, 8192, 132, ws=False, wide=False)  # mid M: 512 CTAs
-    assert not preferred(1024, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
+    assert not preferred(1024, 5120, 2048, 132, wide=False) and preferred(1024, 5120, 2048, 132)
+    assert not preferred(1025, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
 
 
 def test_cuda_kernel_names_match_the_source() -> None:
@@ -155,7 +159,8 @@ def test_cuda_kernel_names_match_the_source() -> None:
 def test_wide_kernel_plans() -> None:
     """The register-A wide-M kernel: which operands it reads, and its plans (batch tile and K
     split by the time model; split K only within one wave; the default for 16 < M <= 256 where
-    it models faster than the warp-specialized kernel, up to M = 32 only within one wave)."""
+    it models faster than the warp-specialized kernel, up to M = 32 only within one wave, and
+    for 256 < M <= 1024)."""
     pytest.importorskip("triton")
     from minite_kernels import w4a4_gemm_cuda
 
@@ -193,7 +198,15 @@ def test_wide_kernel_plans() -> None:
     assert plan(128, 5120, 1024, 132, wide=True) == ("wide", 64, 2, 1, 2, 1)
     assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
-    assert plan(300, 8192, 8192, 132, wide=True).family == "ws"  # past MAX_M
+    # 256 < M <= 1024: the wide kernel's modelled plan (8192 x 8192 at M = 384: 119.5 us against
+    # 138.2 for the warp-specialized kernel; 5120 x 2048 at M = 384: 20.0 against 29.2 for the
+    # Triton decode GEMM), the Triton kernels past it or where K % 128 != 0
+    assert plan(300, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
+    assert plan(384, 5120, 2048, 132, wide=True) == ("wide", 128, 4, 1, 2, 1)
+    assert plan(1024, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
+    assert plan(1025, 8192, 8192, 132, wide=True) is None
+    assert plan(300, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
+    assert plan(300, 5120, 2048 + 64, 132, wide=True) is None
     # 8 < M <= 16 below the streamed kernel's threshold: the plans of M = 17-32 (2048 x 768 at
     # M = 16: 7.1 us against 11.3 for the Triton decode GEMM); the streamed kernel above it
     for n, k in ((2048, 768), (1024, 2048), (2560, 2560), (4096, 512)):
@@ -372,7 +385,7 @@ def _check_quantize_bf16_words() -> None:
     kernel = q._quantize_bf16_rows_kernel
     q._quantize_bf16_rows_kernel = _Spy(kernel, launched)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) / 6.0
-    for seed, (rows, k) in enumerate([(1, 16), (7, 272), (300, 48)]):
+    for seed, (rows, k) in enumerate([(1, 16), (7, 272), (300, 48), (2, 16400)]):
         x = _inputs(rows, k, seed, torch.bfloat16)
         x[0, :8] = (ties * x[0, 8:].float().abs().max()).to(torch.bfloat16)  # near-ties
         x[-1, -2:] = torch.tensor([-0.0, -1e-38])
@@ -383,7 +396,7 @@ def _check_quantize_bf16_words() -> None:
             ref = quantize_nvfp4(x, global_amax=g)
             got = q.quantize_nvfp4_triton(x, amax="row", block_2d=False, global_amax=g)
             _assert_same_bytes(*got, ref)
-    assert len(launched) == 12, len(launched)
+    assert len(launched) == 16, len(launched)  # K past the generic kernel's one pass included
     x = _inputs(5, 96, 3, torch.bfloat16)
     odd, even = torch.zeros(5, 97, dtype=torch.bfloat16), torch.zeros(5, 98, dtype=torch.bfloat16)
     odd[:, :96], odd[:, 1:], even[:, :96] = x, x, x
@@ -441,7 +454,7 @@ def _check_quantize_two_pass() -> None:
     q._SINGLE_PASS_MAX_K = 16  # force the chunked two-pass row path on small shapes
     from minite_common import quantize_nvfp4
 
-    for rows, k in [(3, 1040), (6, 48)]:
+    for rows, k in [(3, 1040), (6, 48), (300, 48)]:  # one row per program; then four
         x = _inputs(rows, k, rows)
         ref = quantize_nvfp4(x, amax="row")
         _assert_same_bytes(*q.quantize_nvfp4_triton(x, amax="row", block_2d=False), ref)
