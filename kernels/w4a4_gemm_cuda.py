@@ -8,7 +8,7 @@ from its codes into shared memory, split K over a thread-block cluster whose fir
 partials from distributed shared memory; mid M: the activation decoded once by a first launch and
 streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
 shared memory and bulk-copy the decoded activation, consumer warpgroups run wgmma with both operands
-in shared memory) or, the default at 16 < M <= 256, register-A (a producer warpgroup stages 128
+in shared memory) or, the default at 16 < M <= 1024, register-A (a producer warpgroup stages 128
 weight rows' codes and the decoded activation, two consumer warpgroups decode the codes into wgmma
 fragments; K split over fold chunks by a time model, through a float32 workspace or over a two-CTA
 cluster whose second CTA hands each fold chunk's partial to the first by bulk copy between their
@@ -104,6 +104,13 @@ UNIT_BYTES = 18432
 #: and scales, WIDE_ROW_BYTES each, and the activation image's block), as many as fit the ring
 #: (at most 8); split K over fold chunks where the grid would leave SMs idle.
 _WIDE_BLOCK_MS = (32, 64, 128)
+#: The register-A wide kernel is the default up to this M (where it reads the operands): above
+#: M = 256 its modelled plan (mostly unsplit 128-row tiles) ran 1.1-2.6x faster than the previous
+#: defaults (the warp-specialized kernel at K >= 4096, else the Triton decode GEMM up to M = 512
+#: and the large-M kernel above) on nine shapes at M = 288-1024, and within 9% of the large-M
+#: kernel where that won (8192 x 1024 and 7168 x 2048 at M = 1024; H200,
+#: benchmarks/NOTES_kernels.md).
+WIDE_MAX_M = 1024
 WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
@@ -458,24 +465,27 @@ def wide_plan(
 
 @functools.cache
 def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
-    """The wide kernel's plan where it is the default (16 < M <= 256, and 8 < M <= 16 on small
-    weights, :func:`_image_low_m`; see :func:`_wide_wanted`), else None (cached: the dispatch
-    asks per call, the model loops over tiles and split counts)."""
-    if not (SMALL_MAX_M < m <= MAX_M or _image_low_m(m, n, k)) or k % CHUNK:
+    """The wide kernel's plan where it is the default (16 < M <= :data:`WIDE_MAX_M`, and
+    8 < M <= 16 on small weights, :func:`_image_low_m`; see :func:`_wide_wanted`), else None
+    (cached: the dispatch asks per call, the model loops over tiles and split counts)."""
+    if not (SMALL_MAX_M < m <= WIDE_MAX_M or _image_low_m(m, n, k)) or k % CHUNK:
         return None
     how = wide_plan(m, n, k, sms)
     return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
 
 
 def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
-    """Where the wide kernel is the default for 16 < M <= 256: up to M = 32 while its tiles fit
-    one wave (beyond, the mid-M kernel with two CTAs per SM measured faster: 24576 x 4096, 39.7
-    vs 43.8 us), above while its modelled time is at most the warp-specialized kernel's (which
-    once won on grids of 0.6-1 wave of 64-row tiles at short K, 5120 x 2048 at M = 64, 13.0 vs
-    14.4; since the cluster split it ran 14.4 against 12.9 there, and it was the fastest plan on
-    none of 201 measured points at M = 32-256)."""
+    """Where the wide kernel is the default for 16 < M <= :data:`WIDE_MAX_M`: up to M = 32 while
+    its tiles fit one wave (beyond, the mid-M kernel with two CTAs per SM measured faster:
+    24576 x 4096, 39.7 vs 43.8 us), up to M = 256 while its modelled time is at most the
+    warp-specialized kernel's (which once won on grids of 0.6-1 wave of 64-row tiles at short K,
+    5120 x 2048 at M = 64, 13.0 vs 14.4; since the cluster split it ran 14.4 against 12.9 there,
+    and it was the fastest plan on none of 201 measured points at M = 32-256), and always above
+    (see :data:`WIDE_MAX_M`)."""
     if m <= 32:
         return triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS) <= sms
+    if m > MAX_M:
+        return True
     ws = _ws_plan(m, n, sms)
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US

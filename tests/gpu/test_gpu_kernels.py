@@ -93,7 +93,10 @@ def test_dispatch_picks_hopper_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("kind", ["normal", "heavy", "blocks", "ties", "specials"])
 def test_quantize_same_bytes_as_cpu(dtype: torch.dtype, kind: str) -> None:
-    for seed, (rows, k) in enumerate([(1, 16), (33, 80), (70, 4096), (17, 20000)]):
+    # K past one pass of the generic kernel (BF16 rows: 16 and 32 warps), past the BF16-rows
+    # kernel's (two passes, one row per program)
+    shapes = [(1, 16), (33, 80), (70, 4096), (17, 20000), (260, 36000), (2, 70000)]
+    for seed, (rows, k) in enumerate(shapes):
         x = _as_dtype(_make(kind, rows, k, seed), dtype)
         for amax, block_2d in (("row", False), ("tensor", False), ("tensor", True)):
             cpu = quantize_nvfp4(x, amax=amax, block_2d=block_2d)
@@ -522,7 +525,7 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     each tile's last CTA) gives the Triton decode GEMM's bits: batch tiles of 32, 64 and 128,
     one to every fold chunk per split (uneven splits, a last fold chunk of 256 elements), N not
     a multiple of 128, M across tiles, bias, heavy tails, per-tensor activation scales; its tile
-    counters are left at zero; the default dispatch sends 16 < M <= 256 to it; a CUDA graph
+    counters are left at zero; the default dispatch sends 16 < M <= 1024 to it; a CUDA graph
     replays it on new inputs."""
     from minite_kernels import w4a4_gemm_cuda
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
@@ -533,7 +536,7 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
         w = quantize_nvfp4(_make("heavy", n, k, n).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(k)).cuda().to(out_dtype)
         folds = -(-k // 512)
-        for m in (17, 32, 33, 64, 100, 129, 256):
+        for m in (17, 32, 33, 64, 100, 129, 256, 300, 1000):
             for kind, amax in (("heavy", "row"), ("blocks", "tensor")):
                 a = quantize_nvfp4(_make(kind, m, k, m + k).cuda(), amax=amax)
                 assert w4a4_gemm_cuda.wide_fits(a, w)
@@ -554,9 +557,10 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
-    assert w4a4_gemm_cuda.plan(64, 2048, 4096, 132, stream=True, wide=True).family == "wide"
+    for m in (64, 300, 1024):
+        assert w4a4_gemm_cuda.plan(m, 2048, 4096, 132, stream=True, wide=True).family == "wide"
     w = quantize_nvfp4(_make("normal", 2048, 4096, 5).cuda(), amax="tensor", block_2d=True)
-    _assert_graph_replays_same_bits(w, (20, 64, 200), out_dtype)
+    _assert_graph_replays_same_bits(w, (20, 64, 200, 700), out_dtype)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
 
 
