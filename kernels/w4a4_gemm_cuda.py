@@ -105,11 +105,11 @@ UNIT_BYTES = 18432
 #: (at most 8); split K over fold chunks where the grid would leave SMs idle.
 _WIDE_BLOCK_MS = (32, 64, 128)
 #: The register-A wide kernel is the default up to this M (where it reads the operands): above
-#: M = 256 its modelled plan (mostly unsplit 128-row tiles) ran 1.1-2.6x faster than the previous
-#: defaults (the warp-specialized kernel at K >= 4096, else the Triton decode GEMM up to M = 512
-#: and the large-M kernel above) on nine shapes at M = 288-1024, and within 9% of the large-M
-#: kernel where that won (8192 x 1024 and 7168 x 2048 at M = 1024; H200,
-#: benchmarks/NOTES_kernels.md).
+#: M = 256 its modelled plan (mostly unsplit 128-row tiles) ran 0.92-2.09x the speed (geometric
+#: mean 1.24x; faster on 52 of 54 points) of the previous defaults (the warp-specialized kernel at
+#: K >= 4096, else the Triton decode GEMM up to M = 512 and the large-M kernel above) on nine
+#: shapes at M = 288-1024; the two losses, to the large-M kernel at M = 1024, were 8% and 1%
+#: (8192 x 1024, 7168 x 2048; H200, benchmarks/NOTES_kernels.md).
 WIDE_MAX_M = 1024
 WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
