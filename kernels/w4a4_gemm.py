@@ -410,6 +410,14 @@ def decode_config(rows: int) -> DecodeConfig:
 GROUPED_FEW_ROWS_CONFIG = DecodeConfig(128, 8, 4, 3)
 
 
+def _large_wanted(m: int, k: int) -> bool:
+    """Where the Triton kernels serve an M-row GEMM, whether the large-M kernel does: M above
+    LARGE_M, and M above 256 where K % 128 != 0 (there no CUDA C++ kernel reads the operands, and
+    on the H200 the decode GEMM's 128 x 128 tiles took 1.5-2.5x its time at M = 384 on four such
+    shapes, 4112 x 4112 128.6 against 67.7 us; benchmarks/NOTES_kernels.md, 21st session)."""
+    return m > LARGE_M or (m > w4a4_gemm_cuda.MAX_M and k % CHUNK != 0)
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -544,7 +552,7 @@ def nvfp4_gemm_sm90(
         if w4a4_gemm_cuda.serves(a, w, y):
             w4a4_gemm_cuda.gemm(a, w, bias, y, _num_sms(a.device))
             return y
-        config = LARGE_CONFIG if m > LARGE_M else decode_config(m)
+        config = LARGE_CONFIG if _large_wanted(m, a.cols) else decode_config(m)
     if isinstance(config, DecodeConfig):
         _launch_decode_gemm(a, w, bias, y, n, triton.cdiv(m, config.block_m), None, config, use_asm)
         return y

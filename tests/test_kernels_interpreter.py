@@ -237,6 +237,17 @@ def test_wide_kernel_plans() -> None:
     assert wide_plan(64, 8192, 8192 + 64, 132) is None  # K % 128 != 0
 
 
+def test_large_kernel_rule() -> None:
+    """Where the Triton kernels serve: the large-M kernel above M = 512, and above M = 256 where
+    K % 128 != 0 (no CUDA C++ kernel reads such K; 256 < M <= 512 with K % 128 == 0 goes to the
+    register-A wide kernel on Hopper, the decode GEMM without it)."""
+    pytest.importorskip("triton")
+    from minite_kernels.w4a4_gemm import _large_wanted
+
+    assert not _large_wanted(256, 4112) and _large_wanted(257, 4112) and _large_wanted(384, 1040)
+    assert not _large_wanted(512, 4096) and _large_wanted(513, 4096) and not _large_wanted(16, 4112)
+
+
 def test_decode_gemm_split_rule() -> None:
     """The Triton decode GEMM's automatic split along K: about four programs per SM; MMA-heavy
     tiles only when under-filled; 8-row tiles (grouped decode steps) only where a program is
