@@ -239,8 +239,8 @@ def test_wide_kernel_plans() -> None:
 
 def test_large_kernel_rule() -> None:
     """Where the Triton kernels serve: the large-M kernel above M = 512, and above M = 256 where
-    K % 128 != 0 (no CUDA C++ kernel reads such K; 256 < M <= 512 with K % 128 == 0 goes to the
-    register-A wide kernel on Hopper, the decode GEMM without it)."""
+    K % 128 != 0 (the register-A kernel cannot read such K; 256 < M <= 512 with K % 128 == 0
+    goes to the register-A wide kernel on Hopper, the decode GEMM without it)."""
     pytest.importorskip("triton")
     from minite_kernels.w4a4_gemm import _large_wanted
 
