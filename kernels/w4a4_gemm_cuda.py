@@ -117,6 +117,7 @@ _WIDE_RING_BYTES = 204800
 #: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
 _WIDE_C2_BYTES = 225280
 _WIDE = ("wide", "wide_c2")
+
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes; the per-chunk costs of 64 and 128 refitted to 27 points after two
 #: chains in flight): per 128-element chunk of a CTA, per batch tile (us); the epilogue; with
@@ -165,6 +166,9 @@ class _Params(ctypes.Structure):
         ("a_chunks", ctypes.c_int),
         ("partials", ctypes.c_void_p),
         ("counters", ctypes.c_void_p),
+        ("w_scales_src", ctypes.c_void_p),
+        ("stride_ws_src", ctypes.c_longlong),
+        ("pass_ctas", ctypes.c_int),
     ]
 
 
@@ -183,18 +187,18 @@ class Plan(NamedTuple):
     producers: int = 0
 
     def kernel_name(self, even_k: bool, units: bool = False, image: bool = False) -> str:
-        """The CUDA kernel's name (``even_k``: K % 128 == 0; the streamed kernel has one
-        variant per weight layout, ``units``: :func:`unit_layout`, its K a multiple of 256, and
-        with the unit layout one that reads the activation as a decoded ``image``)."""
+        """The CUDA kernel's name (``even_k``: K % 128 == 0, and for the register-A wide kernels
+        rows of codes and scales that 16- and 8-byte copies can read, :func:`_wide_even`; the
+        streamed kernel has one variant per weight layout, ``units``: :func:`unit_layout`, its K
+        a multiple of 256, and with the unit layout one that reads the activation as a decoded
+        ``image``)."""
         if self.family == "stream":
             if image and not units:
                 raise ValueError("the streamed kernel reads the activation image only beside units")
             layout = "image_" if image else "unit_" if units else ""
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
-        if self.family == "wide":
-            return f"w4a4_wide_n{self.block_m}"
-        if self.family == "wide_c2":
-            return f"w4a4_wide_c2_n{self.block_m}"
+        if self.family in _WIDE:
+            return f"w4a4_{self.family}_n{self.block_m}{'_even_k' if even_k else ''}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -248,7 +252,8 @@ def _kernel_names() -> list[str]:
         for w in _STREAM_WARPGROUPS
         for units in (False, True)
     ]
-    gemms += [Plan(f, b, 1, 1, 2).kernel_name(True) for b in _WIDE_BLOCK_MS for f in _WIDE]
+    wides = [Plan(f, b, 1, 1, 2) for b in _WIDE_BLOCK_MS for f in _WIDE]
+    gemms += [p.kernel_name(e) for p in wides for e in (False, True)]
     gemms += [
         Plan("stream", _STREAM_IMAGE_BLOCK_M, 1, 1, w).kernel_name(True, True, image=True)
         for w in _STREAM_WARPGROUPS
@@ -383,23 +388,34 @@ def _stream_weight_fits(w) -> bool:
 
 
 def wide_fits(a, w) -> bool:
-    """Whether the register-A wide-M kernel can read these operands: whole 128-element chunks
-    (K % 128 == 0), 16-byte aligned rows of codes, 8-byte aligned rows of weight scales, and a
-    tile counter per (batch tile, 128 weight rows)."""
+    """Whether the register-A wide-M kernel can read these operands: K % 16 == 0, 8-byte aligned
+    rows of codes, unit column strides, and a tile counter per (batch tile, 128 weight rows). Its
+    ``_even_k`` variants read K % 128 == 0 with 16- and 8-byte copies (:func:`_wide_even`); the
+    others any such K, the last chunk's codes zero-filled and the scales read from a copy in rows
+    of whole chunks, zero-padded, that extra CTAs of the activation pass before write."""
     return _wide_weight_fits(a.rows, w)
 
 
 def _wide_weight_fits(m: int, w) -> bool:
+    return (
+        w.cols % 16 == 0
+        and triton.cdiv(m, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
+        and _rows_8b(w.codes)
+        and w.codes.stride(1) == 1
+        and w.scales.stride(1) == 1
+    )
+
+
+def _wide_even(w) -> bool:
+    """Whether the register-A wide kernel's ``_even_k`` variant reads ``w``: whole 128-element
+    chunks (K % 128 == 0), 16-byte aligned rows of codes, 8-byte aligned rows of scales."""
     codes, scales = w.codes, w.scales
     return (
-        w.cols % 128 == 0
-        and triton.cdiv(m, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
+        w.cols % CHUNK == 0
         and codes.data_ptr() % 16 == 0
         and codes.stride(0) * codes.element_size() % 16 == 0
         and scales.data_ptr() % 8 == 0
         and scales.stride(0) * scales.element_size() % 8 == 0
-        and codes.stride(1) == 1
-        and scales.stride(1) == 1
     )
 
 
@@ -431,14 +447,14 @@ def wide_plan(
     splits: int | None = None,
     cluster: bool | None = None,
 ) -> Plan | None:
-    """The register-A wide-M kernel's plan (K % 128 == 0): batch tile ``block_m`` and K split
+    """The register-A wide-M kernel's plan (K % 16 == 0): batch tile ``block_m`` and K split
     over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, each by
     default the least modelled time (:func:`wide_us`) among the tiles up to twice M (32 always:
     several 32-row tiles beat one 64-row tile where that tile needs more splits, e.g. 2048 x 2048
     at M = 64, 9.8 vs 11.8 us) and the splits whose grid fits one wave."""
     n_folds = triton.cdiv(k, FOLD)
     if (
-        k % CHUNK
+        k % 16
         or block_m not in (None, *_WIDE_BLOCK_MS)
         or splits not in (None, *range(1, n_folds + 1))
         or (cluster and (splits not in (None, 2) or n_folds < 2))
@@ -466,9 +482,10 @@ def wide_plan(
 @functools.cache
 def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The wide kernel's plan where it is the default (16 < M <= :data:`WIDE_MAX_M`, and
-    8 < M <= 16 on small weights, :func:`_image_low_m`; see :func:`_wide_wanted`), else None
+    8 < M <= 16 on small weights or K % 256 != 0, :func:`_image_low_m`; see
+    :func:`_wide_wanted`), else None
     (cached: the dispatch asks per call, the model loops over tiles and split counts)."""
-    if not (SMALL_MAX_M < m <= WIDE_MAX_M or _image_low_m(m, n, k)) or k % CHUNK:
+    if not (SMALL_MAX_M < m <= WIDE_MAX_M or _image_low_m(m, n, k)):
         return None
     how = wide_plan(m, n, k, sms)
     return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
@@ -500,15 +517,19 @@ def _wide_operands_default(m: int, n: int, k: int, sms: int) -> Plan | None:
 
 
 def _image_low_m(m: int, n: int, k: int) -> bool:
-    """8 < M <= 16 on a weight below :data:`STREAM_MIN_WEIGHT`: the mid-M and wide kernels'
-    defaults extend to it (see :data:`IMAGE_MIN_M`)."""
-    return IMAGE_MIN_M < m <= SMALL_MAX_M and n * k < STREAM_MIN_WEIGHT
+    """8 < M <= 16 on a weight below :data:`STREAM_MIN_WEIGHT` or one the streamed kernel cannot
+    read (K % 256 != 0): the mid-M and wide kernels' defaults extend to it (see
+    :data:`IMAGE_MIN_M`; at K % 256 != 0 on weights of 8.5-16.9 Mi elements, 4112 x 4112,
+    3584 x 2368, 4096 x 4160 and 5120 x 2368, the wide plans ran 1.04-1.31x the speed of the
+    Triton decode GEMM there at M = 12 and 16; H200, benchmarks/NOTES_kernels.md)."""
+    small = n * k < STREAM_MIN_WEIGHT or k % 256 != 0
+    return IMAGE_MIN_M < m <= SMALL_MAX_M and small
 
 
 def _mid_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     """The mid-M kernel's plan where it is the default over the wide kernels: two fold chunks
     (FOLD < K <= 2 FOLD), one per warpgroup of its 32-row two-warpgroup plan, at 16 < M <= 128
-    (and 8 < M <= 16 on small weights, :func:`_image_low_m`) while that grid fits one wave.
+    (and 8 < M <= 16 where :func:`_image_low_m`) while that grid fits one wave.
     There the wide kernel can split K in two at most, and its fixed costs (producer ring,
     hand-over or workspace fold, epilogue through shared memory) outweigh its cheaper chunks.
     Set on 2048 / 5120 x 1024 and 2048 / 4096 x 768 (H200, gemm_rows: 0.86-0.98x the wide
@@ -789,8 +810,8 @@ def gemm(
         )
     if how.family in _WIDE and not wide:
         raise ValueError(
-            f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 128 == 0, "
-            "16-byte aligned rows of codes and 8-byte aligned rows of weight scales"
+            f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 16 == 0 "
+            "and 8-byte aligned rows of codes"
         )
     layout = getattr(w, "kernel_layout", None) if how.family == "stream" else None
     w_units = layout.units_for(w.codes, w.scales) if isinstance(layout, UnitLayout) else None
@@ -824,8 +845,8 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     """The plan for ``quantize(x) @ w.T`` (per-row amax, the contract's activation quantizer) where
     :func:`gemm_rows` serves it, ``x`` being BF16 [M, K] with 16-byte aligned rows: the GEMM the
     quantized ``x`` would get by default reads a decoded activation image
-    (:data:`_IMAGE_FAMILIES`) and 8 < M <= :data:`ROWS_MAX_M` (M <= 16 only below
-    :data:`STREAM_MIN_WEIGHT`, :func:`_image_low_m`), or it is the streamed kernel's 16-row plan
+    (:data:`_IMAGE_FAMILIES`) and 8 < M <= :data:`ROWS_MAX_M` (M <= 16 only where
+    :func:`_image_low_m`), or it is the streamed kernel's 16-row plan
     (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else None."""
     m, k = x.shape
     # the streamed kernel's image variant has a 16-row tile only: smaller M quantizes separately
@@ -903,6 +924,11 @@ def _launch(
     n = w.rows
     device = w.codes.device
     ww = code_words(w.codes)
+    even = _wide_even(w) if how.family in _WIDE else k % CHUNK == 0
+    pad = how.family in _WIDE and not even  # the pass writes the scales in whole chunks
+    w_scales = w.scales
+    if pad:
+        w_scales = torch.empty(n, triton.cdiv(k, CHUNK) * 8, dtype=torch.uint8, device=device)
     wdec = w.decode_scale if w.decode_scale.dim() else w.decode_scale.reshape(1)
     bias32 = bias.float().contiguous() if bias is not None else None
     rows = WIDE_ROWS if how.family in _WIDE else ROWS  # weight rows per CTA
@@ -919,41 +945,46 @@ def _launch(
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
+    pass_ctas = 0  # the activation pass (image families): its CTAs, then those padding w_scales
     if act.scales is None or how.family in _IMAGE_FAMILIES:  # the activation decoded into its image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
+        # BF16 rows (gemm_rows): one CTA per image row quantizes it; else a thread per code-word
+        # pair decodes it
+        rows_pass = act.scales is None
+        pairs = m_tiles * how.block_m * a_chunks * 8
+        pass_ctas = m_tiles * how.block_m if rows_pass else triton.cdiv(pairs, 256)
+    pad_ctas = triton.cdiv(n * triton.cdiv(k, CHUNK), 256) if pad else 0  # a thread per 8 bytes
     p = _Params(
-        (w_units if w_units is not None else ww).data_ptr(), w.scales.data_ptr(), wdec.data_ptr(),
+        (w_units if w_units is not None else ww).data_ptr(), w_scales.data_ptr(), wdec.data_ptr(),
         act.words.data_ptr(), act.scales.data_ptr() if act.scales is not None else None,
         act.dec.data_ptr(), bias32.data_ptr() if bias32 is not None else None, y.data_ptr(),
         phase_times.data_ptr() if phase_times is not None else None,
-        ww.stride(0), w.scales.stride(0), act.words.stride(0),
+        ww.stride(0), w_scales.stride(0), act.words.stride(0),
         act.scales.stride(0) if act.scales is not None else 0, y.stride(0), y.stride(1),
         wdec.stride(0) if w.decode_scale.dim() else 0, act.dec_stride,
         m, n, k, how.per_split, _OUT_KINDS[y.dtype], LBO, SBO,
         image.data_ptr() if image is not None else None, a_chunks,
         partials.data_ptr() if partials is not None else None,
         counters.data_ptr() if counters is not None else None,
+        w.scales.data_ptr(), w.scales.stride(0), pass_ctas,
     )  # fmt: skip
     index = device.index if device.index is not None else torch.cuda.current_device()
     defines = ("MINITE_PHASE_TIMING",) if phase_times is not None else ()
     kernels = cuda_jit.load(
         "w4a4_gemm_sm90a.cu", _kernel_names(), torch.device("cuda", index), defines
     )
-    if act.scales is None:  # BF16 rows (gemm_rows): one CTA per image row quantizes it
-        quantize = kernels[f"w4a4_quantize_act_m{how.block_m}"]
-        quantize.launch((m_tiles * how.block_m, 1, 1), 256, 0, p, device, pdl=True)
-    elif how.family in _IMAGE_FAMILIES:
-        threads = m_tiles * how.block_m * a_chunks * 8  # one per code-word pair
-        decode = kernels[f"w4a4_decode_act_m{how.block_m}"]
-        decode.launch((triton.cdiv(threads, 256), 1, 1), 256, 0, p, device, pdl=True)
+    if image is not None:
+        name = "quantize" if rows_pass else "decode"
+        activation_pass = kernels[f"w4a4_{name}_act_m{how.block_m}"]
+        activation_pass.launch((pass_ctas + pad_ctas, 1, 1), 256, 0, p, device, pdl=True)
     if how.family == "small":
         grid = (n_tiles, how.splits, m_tiles)
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         grid = (m_tiles, n_tiles, how.splits if how.family in _WIDE else 1)
-    kernel = kernels[how.kernel_name(k % CHUNK == 0, w_units is not None, act.scales is None)]
+    kernel = kernels[how.kernel_name(even, w_units is not None, act.scales is None)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)

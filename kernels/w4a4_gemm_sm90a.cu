@@ -162,6 +162,12 @@ struct Params {
   int a_chunks;                  // chunks per row of a_image (K padded to 128)
   float* partials;               // streamed: [units][128 threads][BM / 2] fold-chunk partials
   int* counters;                 // streamed: [N tiles] arrivals, zero before and after a launch
+  // the activation passes' CTAs from pass_ctas on write w_scales ([N][stride_ws], rows of whole
+  // 128-element chunks, zeros past K) from the weight's scales w_scales_src (register-A wide
+  // kernels at K % 128 != 0; pass_ctas = the grid otherwise)
+  const unsigned char* w_scales_src;
+  long long stride_ws_src;
+  int pass_ctas;
 };
 
 // Row pointers of one thread: rows r0 and r0+8 (clamped), words from 2t, scale bytes from t.
@@ -509,11 +515,31 @@ SMALL_M_KERNEL(16, 8)
 
 #define RING 4  // activation chunks in flight per CTA (prefetch distance RING - 2)
 
+// An activation pass's CTA c past p.pass_ctas: 256 (weight row, 128-element chunk) items of the
+// padded weight scales (Params::w_scales_src), one per thread: its 8 bytes (zeros past K) loaded
+// at once, stored as one word.
+__device__ __forceinline__ void pad_weight_scales(const Params& p, int c) {
+  const int chunks = (int)(p.stride_ws / 8), have = p.K / 16;
+  const long long item = (long long)c * 256 + threadIdx.x;
+  if (item >= (long long)p.N * chunks) return;
+  const int row = (int)(item / chunks), b0 = (int)(item - (long long)row * chunks) * 8;
+  const unsigned char* src = p.w_scales_src + (long long)row * p.stride_ws_src + b0;
+  unsigned long long word = 0;
+#pragma unroll
+  for (int b = 0; b < 8; ++b)
+    if (b0 + b < have) word |= (unsigned long long)__ldg(src + b) << (8 * b);
+  ((unsigned long long*)p.w_scales)[item] = word;
+}
+
 template <int BM>
 __device__ __forceinline__ void decode_act_image(const Params& p) {
   // one thread per (row, chunk, code-word pair); rows past M decode zeros
   wait_previous_kernel();
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the GEMM may start
+  if ((int)blockIdx.x >= p.pass_ctas) {
+    pad_weight_scales(p, blockIdx.x - p.pass_ctas);
+    return;
+  }
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int m_tiles = (p.M + BM - 1) / BM;
   if (i >= (long long)m_tiles * BM * p.a_chunks * 8) return;
@@ -1015,6 +1041,10 @@ template <int BM>
 __device__ __forceinline__ void quantize_act_image(const Params& p) {
   wait_previous_kernel();                                          // x is the previous kernel's
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the GEMM may start
+  if ((int)blockIdx.x >= p.pass_ctas) {
+    pad_weight_scales(p, blockIdx.x - p.pass_ctas);
+    return;
+  }
   __shared__ u32 red_big[QUANT_THREADS / 32], red_bad[QUANT_THREADS / 32];
   const int row = blockIdx.x, tid = threadIdx.x, blocks = p.K / 16;
   const bool live = row < p.M;
@@ -1165,6 +1195,19 @@ __device__ __forceinline__ void unit_raw(const unsigned char* stage, int c, int 
 // 16 bytes from global to shared memory (cp.async, L2 only).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// `bytes` (4, 8 or 16) from global to shared memory, the last `bytes - valid` of them zeros
+// (cp.async's zero fill; `valid` 0 reads nothing).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_zfill(u32 dst, const void* src, int valid) {
+  if constexpr (BYTES == 16)  // L2 only
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(BYTES),
+                 "r"(valid)
+                 : "memory");
 }
 
 // A producer thread's share of one unit's activation slice: (row, chunk, code-word pair) items
@@ -1485,6 +1528,12 @@ STREAM_IMAGE_KERNEL(16, 3)
 // 128 rows, and the weight crosses shared memory as 4-bit codes. Split K (small grids): split 0
 // keeps its fold-chunk prefix, the others each fold chunk's partial, in a global workspace; the
 // tile's last CTA folds them in chunk order (the tile counter as in the streamed kernel).
+// EVEN = false (any K % 16 == 0, rows of codes 8-byte aligned): K's last chunk of codes copied
+// with zero fill past K (in 8-byte blocks where rows are not 16-byte aligned), the scales read
+// from rows of whole chunks zero-padded past K (written by the activation pass before, see
+// pad_weight_scales: four-byte copies from unaligned rows in the producer measured 1.3-1.45x
+// the kernel's time), so the blocks past K are zeros, as the other kernels make them: the same
+// bits.
 
 #define WR_ROWS 128   // weight rows per CTA (two consumer warpgroups)
 #define WR_STRIDE 96  // bytes per weight row of a stage: 64 of codes, 8 of scales, padding
@@ -1551,18 +1600,45 @@ struct WideSeq {
   __device__ __forceinline__ int chunk(int i) const { return fold(i) * FOLD_CHUNKS + (i & 3); }
 };
 
+// The codes of chunk j of 128 rows from n0 with zeros past K (K's last chunk, or rows of codes
+// only 8-byte aligned: then in 8-byte blocks, thread tid taking block tid % 8 of rows tid / 8 +
+// 16 c). Not inlined: the common path keeps its registers (the producer has 56).
+__device__ __noinline__ void wide_codes_zfill(u32 stage, const unsigned char* w_codes,
+                                              long long w_row, int n0, int N, int j,
+                                              int row_bytes, int tid, bool codes16) {
+  if (codes16) {
+    const int r = tid >> 2, col = (tid & 3) * 16;
+    const int valid = min(max(row_bytes - (j * 64 + col), 0), 16);
+    const unsigned char* src = w_codes + (n0 + r) * w_row + (valid ? j * 64 + col : 0);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (n0 + r + 32 * c < N)
+        cp_async_zfill<16>(stage + (r + 32 * c) * WR_STRIDE + col, src + 32 * c * w_row, valid);
+    return;
+  }
+  const int r = tid >> 3, col = (tid & 7) * 8, valid = j * 64 + col < row_bytes ? 8 : 0;
+  const unsigned char* src = w_codes + (n0 + r) * w_row + (valid ? j * 64 + col : 0);
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+    if (n0 + r + 16 * c < N)
+      cp_async_zfill<8>(stage + (r + 16 * c) * WR_STRIDE + col, src + 16 * c * w_row, valid);
+}
+
 // The producer warpgroup: chunk q.chunk(i) into stage i % STAGES. Rows past N are not copied
 // (they only feed outputs that are never stored).
-template <int BN, int CL>
+template <int BN, int CL, bool EVEN>
 __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0,
                                              const WideSeq& q, int tid) {
   using S = WideShape<BN, CL>;
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
+  const int row_bytes = p.K / 2;
+  // rows of codes 16-byte aligned (always where EVEN), else copied in 8-byte blocks
+  const bool codes16 = EVEN || (w_row % 16 == 0 && (unsigned long long)w_codes % 16 == 0);
   // the weight is no previous kernel's output: pull the first chunks into L2 before waiting
   for (int i = 0; i < 4; ++i) {
     const int id = tid + 128 * i, r = id >> 2, col = (id & 3) * 16;
-    if (n0 + r < p.N && q.n > 0)
+    if (n0 + r < p.N && q.n > 0 && (EVEN || q.chunk(0) * 64 + col < row_bytes))
       asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row +
                                                     q.chunk(0) * 64 + col));
   }
@@ -1577,13 +1653,17 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
       const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + j) * S::A_BYTES;
       bulk_copy(stage + S::W_BYTES, src, S::A_BYTES, full);
     }
+    if (EVEN || (codes16 && j * 64 + 64 <= row_bytes)) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {  // codes: 128 rows x 4 granules
-      const int id = tid + 128 * c, r = id >> 2, col = (id & 3) * 16;
-      if (n0 + r < p.N)
-        cp_async16(stage + r * WR_STRIDE + col, w_codes + (n0 + r) * w_row + j * 64 + col);
+      for (int c = 0; c < 4; ++c) {  // codes: 128 rows x 4 granules
+        const int id = tid + 128 * c, r = id >> 2, col = (id & 3) * 16;
+        if (n0 + r < p.N)
+          cp_async16(stage + r * WR_STRIDE + col, w_codes + (n0 + r) * w_row + j * 64 + col);
+      }
+    } else {
+      wide_codes_zfill(stage, w_codes, w_row, n0, p.N, j, row_bytes, tid, codes16);
     }
-    if (n0 + tid < p.N)  // scales: 8 bytes per row
+    if (n0 + tid < p.N)  // scales: 8 bytes per row (rows of whole chunks, zeros past K)
       asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(stage + tid * WR_STRIDE + 64),
                    "l"(p.w_scales + (n0 + tid) * p.stride_ws + j * 8)
                    : "memory");
@@ -1592,7 +1672,7 @@ __device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars
       const int r = tid >> 2, col = (tid & 3) * 16, ahead = q.chunk(i + 8);
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        if (n0 + r + 32 * c < p.N)
+        if (n0 + r + 32 * c < p.N && (EVEN || ahead * 64 + col < row_bytes))
           asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r + 32 * c) * w_row +
                                                         ahead * 64 + col));
     }
@@ -1770,14 +1850,14 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
   }
 }
 
-template <int BN, int CL>
+template <int BN, int CL, bool EVEN>
 __device__ __forceinline__ void gemm_wide(const Params& p) {
   using S = WideShape<BN, CL>;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = (u32)__cvta_generic_to_shared(smem);
   const u32 bars = base + S::BARS;  // full[STAGES], then empty[STAGES]
   int* last = (int*)(smem + S::BARS + 16 * S::STAGES);
-  const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128, splits = gridDim.z;
+  const int n_folds = (p.K + 511) / 512, k_chunks = (p.K + 127) / 128, splits = gridDim.z;
   const int z = blockIdx.z;
   // CL = 1: split z's fold chunks [z F / S, (z + 1) F / S); CL = 2: every second from z
   const WideSeq q = CL == 1 ? WideSeq(z * n_folds / splits, (z + 1) * n_folds / splits, 1, k_chunks)
@@ -1808,7 +1888,7 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   // two accumulators and two chunks of fragments), 56 x 128 + 224 x 256 = 168 x 384
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    wide_produce<BN, CL>(p, base, bars, n0, q, tid);
+    wide_produce<BN, CL, EVEN>(p, base, bars, n0, q, tid);
     if (CL == 2) cluster_sync();  // neither CTA leaves while the other may reach its barriers
     return;
   }
@@ -1838,13 +1918,13 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   // loop's back edge (the compiler would wait there)
   static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
   for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
-    wide_step<BN, CL, 0>(p, smem, base, bars, i, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 1 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, i + 1, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 2 < q.n)
-      wide_step<BN, CL, 0>(p, smem, base, bars, i + 2, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 3 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, i + 3, q, r0, t, ctid, a, part, acc, slots);
+#define WIDE_STEP(P, I) \
+  wide_step<BN, CL, P>(p, smem, base, bars, I, q, r0, t, ctid, a, part, acc, slots)
+    WIDE_STEP(0, i);
+    if (i + 1 < q.n) WIDE_STEP(1, i + 1);
+    if (i + 2 < q.n) WIDE_STEP(0, i + 2);
+    if (i + 3 < q.n) WIDE_STEP(1, i + 3);
+#undef WIDE_STEP
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
@@ -1914,14 +1994,18 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   PHASE_TIME(3);
 }
 
-#define WIDE_KERNEL(BN)                                                                      \
-  extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN(const Params p) {    \
-    gemm_wide<BN, 1>(p);                                                                     \
+#define WIDE_KERNEL(BN, EVEN, SUFFIX)                                                        \
+  extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN##SUFFIX(              \
+      const Params p) {                                                                      \
+    gemm_wide<BN, 1, EVEN>(p);                                                               \
   }                                                                                          \
   extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(384, 1)             \
-      w4a4_wide_c2_n##BN(const Params p) {                                                   \
-    gemm_wide<BN, 2>(p);                                                                     \
+      w4a4_wide_c2_n##BN##SUFFIX(const Params p) {                                           \
+    gemm_wide<BN, 2, EVEN>(p);                                                               \
   }
-WIDE_KERNEL(32)
-WIDE_KERNEL(64)
-WIDE_KERNEL(128)
+WIDE_KERNEL(32, true, _even_k)
+WIDE_KERNEL(64, true, _even_k)
+WIDE_KERNEL(128, true, _even_k)
+WIDE_KERNEL(32, false, )
+WIDE_KERNEL(64, false, )
+WIDE_KERNEL(128, false, )

@@ -157,7 +157,8 @@ def test_cuda_kernel_names_match_the_source() -> None:
 
 
 def test_wide_kernel_plans() -> None:
-    """The register-A wide-M kernel: which operands it reads, and its plans (batch tile and K
+    """The register-A wide-M kernel: which operands it reads (any K % 16 == 0; the ``_even_k``
+    variants where K % 128 == 0 with 16- / 8-byte aligned rows), and its plans (batch tile and K
     split by the time model; split K only within one wave; the default for 16 < M <= 256 where
     it models faster than the warp-specialized kernel, up to M = 32 only within one wave, and
     for 256 < M <= 1024)."""
@@ -168,7 +169,21 @@ def test_wide_kernel_plans() -> None:
 
     a, w = quantize_nvfp4(torch.randn(2, 512)), quantize_nvfp4(torch.randn(64, 512))
     a_odd, w_odd = quantize_nvfp4(torch.randn(2, 2064)), quantize_nvfp4(torch.randn(64, 2064))
-    assert w4a4_gemm_cuda.wide_fits(a, w) and not w4a4_gemm_cuda.wide_fits(a_odd, w_odd)
+    assert w4a4_gemm_cuda.wide_fits(a, w) and w4a4_gemm_cuda.wide_fits(a_odd, w_odd)
+    assert w4a4_gemm_cuda._wide_even(w) and not w4a4_gemm_cuda._wide_even(w_odd)
+    # scales off an 8-byte boundary (a row slice at K = 1056: 66 bytes per row): the variant that
+    # reads a copy of them in whole chunks
+    w_cut = quantize_nvfp4(torch.randn(64, 1056)).narrow_rows(1, 63)
+    assert w4a4_gemm_cuda.wide_fits(a_odd, w_cut) and not w4a4_gemm_cuda._wide_even(w_cut)
+    even, wide = (
+        w4a4_gemm_cuda.Plan("wide", 64, 1, 1, 2, 1),
+        w4a4_gemm_cuda.Plan("wide_c2", 32, 1, 2, 2, 1),
+    )
+    assert (
+        even.kernel_name(True) == "w4a4_wide_n64_even_k"
+        and even.kernel_name(False) == "w4a4_wide_n64"
+    )
+    assert wide.kernel_name(False) == "w4a4_wide_c2_n32"
     plan, wide_plan, us = w4a4_gemm_cuda.plan, w4a4_gemm_cuda.wide_plan, w4a4_gemm_cuda.wide_us
     # K split over two-CTA clusters where the grid fits one wave and the model prefers it
     assert plan(64, 8192, 8192, 132, wide=True) == ("wide_c2", 64, 8, 2, 2, 1)
@@ -196,17 +211,21 @@ def test_wide_kernel_plans() -> None:
     # the warp-specialized kernel's fixed cost at short K (5120 x 1024 at M = 128: 11.5 us
     # against 10.8 for unsplit 64-row wide tiles)
     assert plan(128, 5120, 1024, 132, wide=True) == ("wide", 64, 2, 1, 2, 1)
-    assert plan(64, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
+    # K % 128 != 0: the variants that zero-fill the last chunk (the warp-specialized kernel and
+    # the Triton kernels served it before, 0.23-0.5x cuBLAS)
+    assert plan(64, 8192, 8192 + 32, 132, wide=True) == ("wide_c2", 64, 9, 2, 2, 1)
+    assert plan(64, 8192, 8192 + 32, 132, wide=False).family == "ws"
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
     # 256 < M <= 1024: the wide kernel's modelled plan (8192 x 8192 at M = 384: 119.5 us against
     # 138.2 for the warp-specialized kernel; 5120 x 2048 at M = 384: 20.0 against 29.2 for the
-    # Triton decode GEMM), the Triton kernels past it or where K % 128 != 0
+    # Triton decode GEMM), the Triton kernels past it
     assert plan(300, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
     assert plan(384, 5120, 2048, 132, wide=True) == ("wide", 128, 4, 1, 2, 1)
     assert plan(1024, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
     assert plan(1025, 8192, 8192, 132, wide=True) is None
-    assert plan(300, 8192, 8192 + 32, 132, wide=True).family == "ws"  # K % 128 != 0
-    assert plan(300, 5120, 2048 + 64, 132, wide=True) is None
+    assert plan(300, 8192, 8192 + 32, 132, wide=True) == ("wide", 128, 17, 1, 2, 1)
+    assert plan(300, 5120, 2048 + 64, 132, wide=True) == ("wide", 128, 5, 1, 2, 1)
+    assert plan(300, 5120, 2048 + 64, 132, wide=False) is None
     # 8 < M <= 16 below the streamed kernel's threshold: the plans of M = 17-32 (2048 x 768 at
     # M = 16: 7.1 us against 11.3 for the Triton decode GEMM); the streamed kernel above it
     for n, k in ((2048, 768), (1024, 2048), (2560, 2560), (4096, 512)):
@@ -218,6 +237,11 @@ def test_wide_kernel_plans() -> None:
     assert plan(16, 2560, 2560, 132, wide=True) == ("wide", 32, 1, 5, 2, 1)
     assert plan(16, 5120, 2048, 132, stream=True, wide=True).family == "stream"
     assert plan(16, 4096, 4096, 132, wide=True).family == "small"  # a streamed weight's shape
+    # ... and where the streamed kernel cannot read the weight (K % 256 != 0; 3584 x 2368 at
+    # M = 12: 11.4 us against 14.5 for the Triton decode GEMM)
+    assert plan(12, 3584, 2368, 132, wide=True) == plan(17, 3584, 2368, 132, wide=True)
+    assert plan(16, 4096, 4160, 132, wide=True).family == "wide"
+    assert plan(8, 4096, 4160, 132, wide=True).family == "small"
     assert not w4a4_gemm_cuda.preferred(16, 4096, 4096, 132, stream=False)
     for m, n, k in ((17, 8192, 8192), (64, 2048, 4096), (200, 6144, 4096), (256, 4096, 12288)):
         how = wide_plan(m, n, k, 132)
@@ -234,13 +258,14 @@ def test_wide_kernel_plans() -> None:
     assert wide_plan(64, 8192, 8192, 132, 32, 3) == ("wide", 32, 6, 3, 2, 1)
     assert wide_plan(64, 8192, 8192, 132, 48, 1) is None  # no such tile
     assert wide_plan(64, 8192, 8192, 132, 64, 17) is None  # more splits than fold chunks
-    assert wide_plan(64, 8192, 8192 + 64, 132) is None  # K % 128 != 0
+    assert wide_plan(64, 8192, 8192 + 64, 132) == ("wide_c2", 64, 9, 2, 2, 1)
+    assert wide_plan(64, 8192, 8192 + 8, 132) is None  # K % 16 != 0
 
 
 def test_large_kernel_rule() -> None:
-    """Where the Triton kernels serve: the large-M kernel above M = 512, and above M = 256 where
-    K % 128 != 0 (the register-A kernel cannot read such K; 256 < M <= 512 with K % 128 == 0
-    goes to the register-A wide kernel on Hopper, the decode GEMM without it)."""
+    """Where the Triton kernels serve (on Hopper only where the CUDA C++ kernels are off or cannot
+    read the operands): the large-M kernel above M = 512, and above M = 256 where K % 128 != 0
+    (there the decode GEMM's 128 x 128 tiles are slowest)."""
     pytest.importorskip("triton")
     from minite_kernels.w4a4_gemm import _large_wanted
 

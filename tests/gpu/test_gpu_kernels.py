@@ -8,6 +8,8 @@ for every M, position, neighbour rows, tile configuration, decode variant and GE
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -518,6 +520,14 @@ def test_kernel_layout_follows_weight_updates_in_graphs(monkeypatch: pytest.Monk
         w.kernel_layout.refresh(sliced.codes, sliced.scales)
 
 
+def _scales_at_offset(w: NVFP4Tensor, offset: int) -> NVFP4Tensor:
+    """``w`` with its scales stored ``offset`` bytes into a larger buffer (same values)."""
+    flat = torch.zeros(w.scales.numel() + offset, dtype=torch.uint8, device=w.scales.device)
+    scales = flat[offset:].view(w.scales.shape).view(w.scales.dtype)
+    scales.copy_(w.scales)
+    return dataclasses.replace(w, scales=scales, kernel_layout=None)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     """The register-A wide-M kernel (two consumer warpgroups decoding 128 weight rows' staged
@@ -562,6 +572,62 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     w = quantize_nvfp4(_make("normal", 2048, 4096, 5).cuda(), amax="tensor", block_2d=True)
     _assert_graph_replays_same_bits(w, (20, 64, 200, 700), out_dtype)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+
+
+def test_wide_gemm_any_k_same_bits_as_triton() -> None:
+    """The register-A wide-M kernels' variants for K % 128 != 0 (the last chunk's codes
+    zero-filled past K, in 8-byte blocks where rows are not 16-byte aligned; the scales from a
+    copy zero-padded to whole chunks) give the
+    Triton decode GEMM's bits: K % 128 = 16 / 64 / 80 / 112 and K < 128, scales stored at any
+    offset (also where K % 128 == 0), N not a multiple of 128, every batch tile, workspace and
+    cluster splits, bias, float32 out, NaN / Inf / zero rows; the default dispatch and
+    ``w4a4_linear`` serve such K with them, also in a CUDA graph."""
+    from minite_kernels import w4a4_gemm_cuda as cu
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    for n, k in ((1040, 1040), (300, 2368), (130, 80), (200, 1008), (264, 4176)):
+        w = quantize_nvfp4(_make("heavy", n, k, n + 1).cuda(), amax="tensor", block_2d=True)
+        assert not cu._wide_even(w)
+        bias = torch.randn(n, generator=_gen(k)).cuda().float()
+        folds = -(-k // 512)
+        for m, kind in ((17, "specials"), (64, "heavy"), (300, "normal")):
+            a = quantize_nvfp4(_make(kind, m, k, m + k).cuda())
+            assert cu.wide_fits(a, w)
+            want = nvfp4_gemm_sm90(a, w, bias, torch.float32, config=decode_config(m))
+            for block_m in (32, 64, 128):
+                plans = [cu.wide_plan(m, n, k, 132, block_m, s) for s in sorted({1, folds})]
+                if folds >= 2:
+                    plans.append(cu.Plan("wide_c2", block_m, -(-folds // 2), 2, 2, 1))
+                for how in plans:
+                    got = torch.full_like(want, float("nan"))
+                    cu.gemm(a, w, bias, got, 132, how=how)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                        n,
+                        k,
+                        m,
+                        how,
+                    )
+            assert cu.plan(m, n, k, 132, wide=True).family in ("wide", "wide_c2", "mid")
+            got = nvfp4_gemm_sm90(a, w, bias, torch.float32)  # the default dispatch
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
+            x = _make(kind, m, k, m + k).cuda().bfloat16()
+            ref = nvfp4_gemm_sm90(
+                quantize_nvfp4(x), w, None, torch.bfloat16, config=decode_config(m)
+            )
+            assert torch.equal(w4a4_linear(x, w).view(torch.int16), ref.view(torch.int16))
+    assert int(cu.split_counters(torch.device("cuda")).abs().sum()) == 0
+    w = quantize_nvfp4(_make("normal", 1040, 1040, 3).cuda(), amax="tensor", block_2d=True)
+    # scales stored off any alignment, also at K % 128 == 0 (which the even variant then cannot
+    # read): the padded copy serves
+    w1024 = quantize_nvfp4(_make("normal", 640, 1024, 4).cuda(), amax="tensor", block_2d=True)
+    assert cu._wide_even(w1024)
+    for w_odd in (_scales_at_offset(w, 3), _scales_at_offset(w1024, 1)):
+        a = quantize_nvfp4(_make("heavy", 100, w_odd.cols, 5).cuda())
+        assert cu.wide_fits(a, w_odd) and not cu._wide_even(w_odd)
+        want = nvfp4_gemm_sm90(a, w_odd, None, torch.bfloat16, config=decode_config(100))
+        got = nvfp4_gemm_sm90(a, w_odd, None, torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), w_odd.cols
+    _assert_graph_replays_same_bits(w, (20, 200), torch.bfloat16)
 
 
 def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
@@ -610,10 +676,10 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
     if mode == "1":
         monkeypatch.setenv("MINITE_CUDA_KERNELS", "1")
     served = set()
-    # K = 1056 (K % 128 != 0) keeps the warp-specialized kernel the default at M > 32
+    # 8192 x 512 at M = 256: the warp-specialized kernel's default
     shapes = (
         (5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024), (8200, 1056),
-        (1536, 768), (1024, 2048),
+        (1536, 768), (1024, 2048), (8192, 512),
     )  # fmt: skip
     for i, (n, k) in enumerate(shapes):
         w0 = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
@@ -630,7 +696,7 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
                 plan = cu.rows_plan(x, w, out)
                 assert (got is None) == (plan is None), (n, k, m)
                 assert plan is None or 8 < m <= cu.ROWS_MAX_M, (n, k, m)
-                small = n * k < cu.STREAM_MIN_WEIGHT
+                small = n * k < cu.STREAM_MIN_WEIGHT or k % 256 != 0
                 assert plan is None or m > 16 or w.kernel_layout is not None or small, (n, k, m)
                 if mode == "auto" and small and 8 < m <= 16 and k % 128 == 0:
                     assert plan is not None and plan.family in ("mid", "wide"), (n, k, m)
