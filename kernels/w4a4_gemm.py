@@ -412,10 +412,10 @@ GROUPED_FEW_ROWS_CONFIG = DecodeConfig(128, 8, 4, 3)
 
 def _large_wanted(m: int, k: int) -> bool:
     """Where the Triton kernels serve an M-row GEMM, whether the large-M kernel does: M above
-    LARGE_M, and M above 256 where K % 128 != 0 (the register-A CUDA C++ kernel cannot read such
-    K, and on the H200 the decode GEMM's 128 x 128 tiles took 1.5-2.5x this kernel's time at
-    M = 384 on four such shapes, 4112 x 4112 128.6 against 67.7 us; benchmarks/NOTES_kernels.md,
-    21st session)."""
+    LARGE_M, and M above 256 where K % 128 != 0 (on Hopper the register-A CUDA C++ kernels serve
+    such K where they are on; without them, on the H200 the decode GEMM's 128 x 128 tiles took
+    1.5-2.5x this kernel's time at M = 384 on four such shapes, 4112 x 4112 128.6 against
+    67.7 us; benchmarks/NOTES_kernels.md, 21st session)."""
     return m > LARGE_M or (m > w4a4_gemm_cuda.MAX_M and k % CHUNK != 0)
 
 
