@@ -117,7 +117,6 @@ _WIDE_RING_BYTES = 204800
 #: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
 _WIDE_C2_BYTES = 225280
 _WIDE = ("wide", "wide_c2")
-
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes; the per-chunk costs of 64 and 128 refitted to 27 points after two
 #: chains in flight): per 128-element chunk of a CTA, per batch tile (us); the epilogue; with
@@ -409,11 +408,10 @@ def _wide_weight_fits(m: int, w) -> bool:
 def _wide_even(w) -> bool:
     """Whether the register-A wide kernel's ``_even_k`` variant reads ``w``: whole 128-element
     chunks (K % 128 == 0), 16-byte aligned rows of codes, 8-byte aligned rows of scales."""
-    codes, scales = w.codes, w.scales
+    scales = w.scales
     return (
         w.cols % CHUNK == 0
-        and codes.data_ptr() % 16 == 0
-        and codes.stride(0) * codes.element_size() % 16 == 0
+        and _rows_16b(w.codes)
         and scales.data_ptr() % 8 == 0
         and scales.stride(0) * scales.element_size() % 8 == 0
     )

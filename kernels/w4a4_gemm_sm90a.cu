@@ -1197,8 +1197,8 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-// `bytes` (4, 8 or 16) from global to shared memory, the last `bytes - valid` of them zeros
-// (cp.async's zero fill; `valid` 0 reads nothing).
+// BYTES (8 or 16) from global to shared memory, the last BYTES - valid of them zeros (cp.async's
+// zero fill; `valid` 0 reads nothing).
 template <int BYTES>
 __device__ __forceinline__ void cp_async_zfill(u32 dst, const void* src, int valid) {
   if constexpr (BYTES == 16)  // L2 only
@@ -1918,13 +1918,13 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   // loop's back edge (the compiler would wait there)
   static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
   for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
-#define WIDE_STEP(P, I) \
-  wide_step<BN, CL, P>(p, smem, base, bars, I, q, r0, t, ctid, a, part, acc, slots)
-    WIDE_STEP(0, i);
-    if (i + 1 < q.n) WIDE_STEP(1, i + 1);
-    if (i + 2 < q.n) WIDE_STEP(0, i + 2);
-    if (i + 3 < q.n) WIDE_STEP(1, i + 3);
-#undef WIDE_STEP
+    wide_step<BN, CL, 0>(p, smem, base, bars, i, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 1 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, i + 1, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 2 < q.n)
+      wide_step<BN, CL, 0>(p, smem, base, bars, i + 2, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 3 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, i + 3, q, r0, t, ctid, a, part, acc, slots);
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
