@@ -417,6 +417,20 @@ def _wide_even(w) -> bool:
     )
 
 
+def _wide_cta_chunks(k: int, splits: int, cluster: bool = False) -> int:
+    """The most 128-element chunks one CTA of a K split runs, as the wide kernel deals fold
+    chunks: split z takes fold chunks ``[z * F // splits, (z + 1) * F // splits)``, a cluster's
+    CTA z every other one from z; K's last fold chunk is short where K % 512 != 0."""
+    n_folds, per_fold = triton.cdiv(k, FOLD), FOLD // CHUNK
+    last = triton.cdiv(k, CHUNK) - (n_folds - 1) * per_fold  # the last fold chunk's chunks
+    folds = (
+        [range(z, n_folds, 2) for z in range(2)]
+        if cluster
+        else [range(z * n_folds // splits, (z + 1) * n_folds // splits) for z in range(splits)]
+    )
+    return max(sum(last if f == n_folds - 1 else per_fold for f in fs) for fs in folds)
+
+
 def wide_us(
     m: int, n: int, k: int, sms: int, block_m: int, splits: int, cluster: bool = False
 ) -> float:
@@ -425,8 +439,8 @@ def wide_us(
     CTAs that fold through a workspace."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
     n_folds = triton.cdiv(k, FOLD)
-    chunks = min(triton.cdiv(n_folds, splits) * (FOLD // CHUNK), triton.cdiv(k, CHUNK))
-    t = triton.cdiv(tiles * splits, sms) * chunks * _WIDE_CHUNK_US[block_m]
+    t = triton.cdiv(tiles * splits, sms) * _wide_cta_chunks(k, splits, cluster)
+    t *= _WIDE_CHUNK_US[block_m]
     t += _WIDE_EPILOGUE_US[block_m]
     if cluster:  # the second CTA hands each of its fold chunks' partials to the first
         t += _WIDE_C2_US + _WIDE_C2_HAND_OVER_US[block_m] * (n_folds // 2)
