@@ -103,8 +103,8 @@ SHAPES = {
 
 def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
     """Every image-reading plan for an M x N x K GEMM: wide (tiles up to twice M, 32 always;
-    unsplit, workspace splits within one wave, the two-CTA cluster where its grid fits one wave),
-    warp-specialized, mid-M."""
+    unsplit, workspace splits within one wave, the two-CTA cluster where its grid fits one wave,
+    stream-K where the tiles outnumber the SMs), warp-specialized, mid-M."""
     n_folds = triton.cdiv(k, cu.FOLD)
     plans = set()
     for b in (32, 64, 128):
@@ -116,6 +116,7 @@ def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
                 plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=s, cluster=False))
         if n_folds >= 2 and 2 * ctas <= sms:
             plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=2, cluster=True))
+        plans.add(cu.wide_plan(m, n, k, sms, block_m=b, stream_k=True))  # None: one wave
     plans.update(p for p in cu.WS_PLANS if p.block_m // 2 < m)
     for bm in (32, 64):
         if bm == 32 or bm // 2 < m:
@@ -221,8 +222,9 @@ def main() -> int:
 
 
 def _short(how: cu.Plan) -> str:
-    """``wide b64 s2``: the family, batch tile and split count (warpgroups for the others)."""
-    if how.family in ("wide", "wide_c2"):
+    """``wide b64 s2``: the family, batch tile and split count (CTAs of ``wide_sk``; warpgroups
+    for the others)."""
+    if how.family in cu._WIDE:
         return f"{how.family} b{how.block_m} s{how.splits}"
     return f"{how.family} b{how.block_m} w{how.warpgroups}"
 

@@ -109,14 +109,18 @@ _WIDE_BLOCK_MS = (32, 64, 128)
 #: mean 1.24x; faster on 52 of 54 points) of the previous defaults (the warp-specialized kernel at
 #: K >= 4096, else the Triton decode GEMM up to M = 512 and the large-M kernel above) on nine
 #: shapes at M = 288-1024; the two losses, to the large-M kernel at M = 1024, were 8% and 1%
-#: (8192 x 1024, 7168 x 2048; H200, benchmarks/NOTES_kernels.md).
-WIDE_MAX_M = 1024
+#: (8192 x 1024, 7168 x 2048). With the stream-K variant, 1.07-1.5x the large-M kernel's speed at
+#: M = 1100 on eight shapes, and at M = 1536 0.99-1.62x on the seven with K > 1024 (0.83x on
+#: 8192 x 1024); mixed at 2048 (0.96-1.58x), slower at 4096 but on narrow weights (H200,
+#: benchmarks/NOTES_kernels.md, 23rd session). At K <= 1024 (two fold chunks) it stops at 1024.
+WIDE_MAX_M = 1536
+WIDE_SHORT_K_MAX_M = 1024
 WIDE_ROWS = 128
 _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
 #: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
 _WIDE_C2_BYTES = 225280
-_WIDE = ("wide", "wide_c2")
+_WIDE = ("wide", "wide_c2", "wide_sk")
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes; the per-chunk costs of 64 and 128 refitted to 27 points after two
 #: chains in flight): per 128-element chunk of a CTA, per batch tile (us); the epilogue; with
@@ -131,6 +135,9 @@ _WIDE_FOLD_US, _WIDE_TILE_FOLD_US_PER_MB, _WIDE_PARTIAL_US_PER_MB = 2.4, 9.2, 0.
 #: The two-CTA-cluster variant (``wide_c2``; fitted to 14 measured (shape, tile) points on one
 #: wave, within 0.93-1.06x of them): a start-up and a cost per partial handed over, by tile.
 _WIDE_C2_US, _WIDE_C2_HAND_OVER_US = 1.1, {32: 0.43, 64: 0.73, 128: 1.35}
+#: The stream-K variant (``wide_sk``): a cost per segment (a tile's part) of a CTA's range: the
+#: output or prefix store and the ring's restart on another tile.
+_WIDE_SK_SEGMENT_US = 0.8
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.
 MAX_SPLIT_TILES = 1 << 16
 
@@ -177,7 +184,8 @@ class Plan(NamedTuple):
     producer warpgroups (wide M)."""
 
     # "small", "mid", "ws" / "wide" (wide M: shared / register A; "wide_c2": register A, K split
-    # over a two-CTA cluster), "stream" (small M)
+    # over a two-CTA cluster; "wide_sk": register A, stream-K over ``splits`` CTAs), "stream"
+    # (small M)
     family: str
     block_m: int
     per_split: int
@@ -221,12 +229,14 @@ class Plan(NamedTuple):
             stage = ROWS * (288 + 32) + self.block_m * 1024
             return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
         if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
-            # a cluster's partial slots and their barriers (WideShape)
+            # a cluster's partial slots and their barriers; stream-K's 16-bit output tile
+            # (WideShape)
             stage = WIDE_ROWS * _WIDE_ROW_BYTES + self.block_m * 256
-            slots = 0 if self.family == "wide" else 1 if self.block_m >= 128 else 2
+            slots = 0 if self.family != "wide_c2" else 1 if self.block_m >= 128 else 2
             slot = self.block_m * 512
-            ring = _WIDE_RING_BYTES if self.family == "wide" else _WIDE_C2_BYTES - slots * slot
-            return min(8, ring // stage) * (stage + 16) + 16 + slots * (16 + slot)
+            ring = _WIDE_RING_BYTES if not slots else _WIDE_C2_BYTES - slots * slot
+            out = self.block_m * (WIDE_ROWS * 2 + 16) if self.family == "wide_sk" else 0
+            return min(8, ring // stage) * (stage + 16) + 16 + slots * (16 + slot) + out
         if self.family == "ws":  # the ring's stages (weight + activation chunk) and 2 barriers each
             stage = _WS_WEIGHT_CHUNK + self.block_m * 256
             stages = min(8, _WS_RING_BYTES // stage)
@@ -450,6 +460,34 @@ def wide_us(
     return t
 
 
+def _sk_waves(tiles: int, ctas: int) -> int:
+    """The stream-K variant's waves of whole tiles: all but the last one or two waves' worth, whose
+    tiles (at least ``ctas``) the CTAs share by fold chunks."""
+    return tiles // ctas if tiles % ctas == 0 else max(tiles // ctas - 1, 0)
+
+
+def wide_sk_us(m: int, n: int, k: int, sms: int, block_m: int) -> float:
+    """The stream-K variant's modelled time (us) on ``sms`` CTAs (for more tiles than SMs): the
+    most chunks one CTA runs (whole tiles, then its share of the rest's fold chunks at their
+    average chunks), the wide kernel's costs per chunk and launch, and a cost per segment
+    (:data:`_WIDE_SK_SEGMENT_US`)."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
+    n_folds, k_chunks = triton.cdiv(k, FOLD), triton.cdiv(k, CHUNK)
+    waves = _sk_waves(tiles, sms)
+    units = triton.cdiv((tiles - waves * sms) * n_folds, sms)  # shared fold chunks per CTA
+    chunks = waves * k_chunks + triton.cdiv(units * k_chunks, n_folds)
+    segments = waves + triton.cdiv(units, n_folds) + 1
+    t = chunks * _WIDE_CHUNK_US[block_m] + _WIDE_EPILOGUE_US[block_m]
+    return t + segments * _WIDE_SK_SEGMENT_US
+
+
+def _wide_plan_us(m: int, n: int, k: int, sms: int, how: Plan) -> float:
+    """The modelled time (us) of a register-A wide-M plan."""
+    if how.family == "wide_sk":
+        return wide_sk_us(m, n, k, sms, how.block_m)
+    return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2")
+
+
 def wide_plan(
     m: int,
     n: int,
@@ -458,18 +496,22 @@ def wide_plan(
     block_m: int | None = None,
     splits: int | None = None,
     cluster: bool | None = None,
+    stream_k: bool | None = None,
 ) -> Plan | None:
     """The register-A wide-M kernel's plan (K % 16 == 0): batch tile ``block_m`` and K split
-    over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, each by
-    default the least modelled time (:func:`wide_us`) among the tiles up to twice M (32 always:
-    several 32-row tiles beat one 64-row tile where that tile needs more splits, e.g. 2048 x 2048
-    at M = 64, 9.8 vs 11.8 us) and the splits whose grid fits one wave."""
+    over fold chunks ``splits``, by workspace or (``cluster``) over two-CTA clusters, or
+    (``stream_k``, where the tiles outnumber the SMs) the tiles' fold chunks shared by one CTA
+    per SM; each by default the least modelled time (:func:`wide_us`, :func:`wide_sk_us`) among
+    the tiles up to twice M (32 always: several 32-row tiles beat one 64-row tile where that tile
+    needs more splits, e.g. 2048 x 2048 at M = 64, 9.8 vs 11.8 us) and the splits whose grid fits
+    one wave."""
     n_folds = triton.cdiv(k, FOLD)
     if (
         k % 16
         or block_m not in (None, *_WIDE_BLOCK_MS)
         or splits not in (None, *range(1, n_folds + 1))
         or (cluster and (splits not in (None, 2) or n_folds < 2))
+        or (stream_k and (cluster or splits is not None))
     ):
         return None
     if block_m is not None:
@@ -479,25 +521,35 @@ def wide_plan(
     options = []
     for b in tiles:
         ctas = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS)  # per split
+        if ctas > sms and stream_k is not False and not cluster and splits is None:
+            per_cta = triton.cdiv(ctas * n_folds, sms)  # fold chunks
+            options.append((wide_sk_us(m, n, k, sms, b), Plan("wide_sk", b, per_cta, sms, 2, 1)))
+        if stream_k:
+            continue
         # split K within one wave (as measured): later waves would wait on the partials
         if cluster or (cluster is None and splits is None and n_folds >= 2 and 2 * ctas <= sms):
-            options.append((wide_us(m, n, k, sms, b, 2, cluster=True), b, 2, True))
+            how = Plan("wide_c2", b, triton.cdiv(n_folds, 2), 2, 2, 1)
+            options.append((wide_us(m, n, k, sms, b, 2, cluster=True), how))
         if cluster:
             continue
         for s in [splits] if splits is not None else range(1, n_folds + 1):
             if splits is not None or s == 1 or ctas * s <= sms:
-                options.append((wide_us(m, n, k, sms, b, s), b, s, False))
-    _, bm, s, in_cluster = min(options)
-    return Plan("wide_c2" if in_cluster else "wide", bm, triton.cdiv(n_folds, s), s, 2, 1)
+                how = Plan("wide", b, triton.cdiv(n_folds, s), s, 2, 1)
+                options.append((wide_us(m, n, k, sms, b, s), how))
+    if not options:
+        return None
+    return min(options)[1]
 
 
 @functools.cache
 def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
-    """The wide kernel's plan where it is the default (16 < M <= :data:`WIDE_MAX_M`, and
+    """The wide kernel's plan where it is the default (16 < M <= :data:`WIDE_MAX_M`, or
+    :data:`WIDE_SHORT_K_MAX_M` at K <= 1024, and
     8 < M <= 16 on small weights or K % 256 != 0, :func:`_image_low_m`; see
     :func:`_wide_wanted`), else None
     (cached: the dispatch asks per call, the model loops over tiles and split counts)."""
-    if not (SMALL_MAX_M < m <= WIDE_MAX_M or _image_low_m(m, n, k)):
+    max_m = WIDE_MAX_M if k > 2 * FOLD else WIDE_SHORT_K_MAX_M
+    if not (SMALL_MAX_M < m <= max_m or _image_low_m(m, n, k)):
         return None
     how = wide_plan(m, n, k, sms)
     return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
@@ -518,7 +570,7 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     ws = _ws_plan(m, n, sms)
     waves = triton.cdiv(triton.cdiv(m, ws.block_m) * triton.cdiv(n, ROWS), sms)
     ws_us = waves * triton.cdiv(k, CHUNK) * _WS_CHUNK_US[ws.block_m] + _WS_OVERHEAD_US
-    return wide_us(m, n, k, sms, how.block_m, how.splits, how.family == "wide_c2") <= ws_us
+    return _wide_plan_us(m, n, k, sms, how) <= ws_us
 
 
 def _wide_operands_default(m: int, n: int, k: int, sms: int) -> Plan | None:
@@ -825,6 +877,13 @@ def gemm(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 16 == 0 "
             "and 8-byte aligned rows of codes"
         )
+    if how.family == "wide_sk":
+        tiles = triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS)
+        if not 0 < how.splits <= min(tiles, sms):
+            raise ValueError(
+                "the stream-K wide-M CUDA C++ GEMM runs on 1..min(tiles, SMs) CTAs (all "
+                f"resident), got {how.splits} for {tiles} tiles on {sms} SMs"
+            )
     layout = getattr(w, "kernel_layout", None) if how.family == "stream" else None
     w_units = layout.units_for(w.codes, w.scales) if isinstance(layout, UnitLayout) else None
     vector = a.decode_scale.dim() > 0
@@ -834,7 +893,7 @@ def gemm(
 
 
 #: The kernel families that read the activation as a decoded image, made by a launch before theirs.
-_IMAGE_FAMILIES = ("mid", "ws", "wide", "wide_c2")
+_IMAGE_FAMILIES = ("mid", "ws", *_WIDE)
 #: The most rows :func:`gemm_rows` quantizes in the image pass: one CTA per row reads it twice
 #: (amax, then codes); on the H200 that measured 1.02-1.15x the quantize-then-decode pair at
 #: M = 32-64, 0.96-1.07x at M = 128-256 (about even; 0.99x on N = K = 8192 at 256) and 0.96-1.0x
@@ -953,6 +1012,11 @@ def _launch(
         size = m_tiles * n_tiles * triton.cdiv(k, FOLD) * 128 * how.block_m
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
+    if how.family == "wide_sk":  # a prefix per tile, 256 threads x BM / 2; a flag per tile
+        partials = torch.empty(
+            m_tiles * n_tiles * 128 * how.block_m, dtype=torch.float32, device=device
+        )
+        counters = split_counters(device)
     if how.family == "stream":
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats
         partials = torch.empty(size, dtype=torch.float32, device=device)
@@ -994,6 +1058,8 @@ def _launch(
         grid = (n_tiles, how.splits, m_tiles)
     elif how.family == "stream":
         grid = (stream_grid(n, k, sms, how), 1, 1)
+    elif how.family == "wide_sk":
+        grid = (how.splits, 1, 1)
     else:  # the M tiles of one weight slice side by side: the slice is read from L2 once
         grid = (m_tiles, n_tiles, how.splits if how.family in _WIDE else 1)
     kernel = kernels[how.kernel_name(even, w_units is not None, act.scales is None)]

@@ -1559,6 +1559,9 @@ struct WideShape {
   static constexpr int BARS = STAGES * STAGE;
   static constexpr int SLOT_BARS = BARS + 16 * STAGES + 16;
   static constexpr int SLOTS_AT = SLOT_BARS + 16 * SLOTS;
+  // stream-K (CL = 1): a 16-bit output tile of its own, as the ring keeps running across tiles
+  static constexpr int OUT_AT = SLOTS_AT + SLOTS * SLOT_BYTES;
+  static constexpr int OUT_BYTES = BN * (128 * 2 + 16);
 };
 
 __device__ __forceinline__ void wgmma(Acc<128>& c, const u32 (&a)[4], u64 desc, int accumulate) {
@@ -1590,8 +1593,9 @@ __device__ __forceinline__ void wide_raw(const unsigned char* stage, int r0, int
 // K's last has four).
 struct WideSeq {
   int f_begin, f_step, n;  // n: chunks in the sequence
+  bool keep;               // fold partials add into the CTA's running sum (else the workspace)
   __device__ __forceinline__ WideSeq(int f_begin_, int f_end, int f_step_, int k_chunks)
-      : f_begin(f_begin_), f_step(f_step_) {
+      : f_begin(f_begin_), f_step(f_step_), keep(f_begin_ == 0) {
     const int folds = f_end > f_begin ? (f_end - f_begin + f_step - 1) / f_step : 0;
     const int last = f_begin + (folds - 1) * f_step;
     n = folds ? (folds - 1) * FOLD_CHUNKS + min(FOLD_CHUNKS, k_chunks - last * FOLD_CHUNKS) : 0;
@@ -1624,33 +1628,36 @@ __device__ __noinline__ void wide_codes_zfill(u32 stage, const unsigned char* w_
       cp_async_zfill<8>(stage + (r + 16 * c) * WR_STRIDE + col, src + 16 * c * w_row, valid);
 }
 
-// The producer warpgroup: chunk q.chunk(i) into stage i % STAGES. Rows past N are not copied
-// (they only feed outputs that are never stored).
+// The producer warpgroup: chunk q.chunk(i) of weight rows from n0 and batch tile bx into stage
+// (o + i) % STAGES (o: the ring's position, where a CTA runs several tiles). Rows past N are not
+// copied (they only feed outputs that are never stored). The first sequence (`first`) pulls its
+// first chunks into L2 and then waits for the previous kernel.
 template <int BN, int CL, bool EVEN>
-__device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0,
-                                             const WideSeq& q, int tid) {
+__device__ __forceinline__ void wide_produce(const Params& p, u32 base, u32 bars, int n0, int bx,
+                                             const WideSeq& q, int o, bool first, int tid) {
   using S = WideShape<BN, CL>;
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
   const int row_bytes = p.K / 2;
   // rows of codes 16-byte aligned (always where EVEN), else copied in 8-byte blocks
   const bool codes16 = EVEN || (w_row % 16 == 0 && (unsigned long long)w_codes % 16 == 0);
-  // the weight is no previous kernel's output: pull the first chunks into L2 before waiting
-  for (int i = 0; i < 4; ++i) {
-    const int id = tid + 128 * i, r = id >> 2, col = (id & 3) * 16;
-    if (n0 + r < p.N && q.n > 0 && (EVEN || q.chunk(0) * 64 + col < row_bytes))
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row +
-                                                    q.chunk(0) * 64 + col));
+  if (first) {  // the weight is no previous kernel's output: the first chunks into L2 meanwhile
+    for (int i = 0; i < 4; ++i) {
+      const int id = tid + 128 * i, r = id >> 2, col = (id & 3) * 16;
+      if (n0 + r < p.N && q.n > 0 && (EVEN || q.chunk(0) * 64 + col < row_bytes))
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w_codes + (n0 + r) * w_row +
+                                                      q.chunk(0) * 64 + col));
+    }
+    wait_previous_kernel();
   }
-  wait_previous_kernel();
   for (int i = 0; i < q.n; ++i) {
-    const int j = q.chunk(i), s = i % S::STAGES, round = i / S::STAGES;
+    const int j = q.chunk(i), s = (o + i) % S::STAGES, round = (o + i) / S::STAGES;
     const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
     const u32 stage = base + s * S::STAGE;
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
     if (tid == 0) {
       mbar_expect_tx(full, S::A_BYTES);
-      const unsigned char* src = p.a_image + ((long long)blockIdx.x * p.a_chunks + j) * S::A_BYTES;
+      const unsigned char* src = p.a_image + ((long long)bx * p.a_chunks + j) * S::A_BYTES;
       bulk_copy(stage + S::W_BYTES, src, S::A_BYTES, full);
     }
     if (EVEN || (codes16 && j * 64 + 64 <= row_bytes)) {
@@ -1755,20 +1762,20 @@ __device__ __forceinline__ void wide_fold_slot(u32 base, int k, int ctid, Acc<BN
 // slot, then its own; second CTA: the partial handed to the first.
 template <int BN, int CL, int P>
 __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* smem, u32 base,
-                                          u32 bars, int i, const WideSeq& q, int r0, int t,
+                                          u32 bars, int o, int i, const WideSeq& q, int r0, int t,
                                           int ctid, u32 (&a)[2][8][4], Acc<BN>& part,
                                           Acc<BN>& acc, float4* slots) {
   using S = WideShape<BN, CL>;
-  const int s = i % S::STAGES;
+  const int s = (o + i) % S::STAGES;
   const u64 desc = smem_desc(base + s * S::STAGE + S::W_BYTES, LBO_BYTES, SBO_BYTES);
   issue_chunk<BN>(part, a[P], desc, (i & 3) == 0);
   if ((i & 3) != 0) {  // chain i - 1 in flight: await it, release its stage
     wgmma_wait<1>();
-    mbar_arrive(bars + 8 * (S::STAGES + (i - 1) % S::STAGES));
+    mbar_arrive(bars + 8 * (S::STAGES + (o + i - 1) % S::STAGES));
   }
   if (i + 1 < q.n) {
-    const int s1 = (i + 1) % S::STAGES;
-    mbar_wait(bars + 8 * s1, ((i + 1) / S::STAGES) & 1);
+    const int s1 = (o + i + 1) % S::STAGES;
+    mbar_wait(bars + 8 * s1, ((o + i + 1) / S::STAGES) & 1);
     Raw raw;
     wide_raw(smem + s1 * S::STAGE, r0, t, raw);
     decode_raw(raw, a[P ^ 1]);
@@ -1786,7 +1793,7 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
     // the first CTA: the second's partial of the fold chunk before this one, then its own
     if (f > 0) wide_fold_slot<BN>(base, f / 2 - 1, ctid, acc, smem);
   }
-  if (CL == 2 || q.f_begin == 0) {  // the prefix from fold chunk 0 on
+  if (CL == 2 || q.keep) {  // the running sum (from fold chunk 0, or a prefix loaded)
 #pragma unroll
     for (int e = 0; e < BN / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], part.d[e]);
   } else {
@@ -1802,15 +1809,17 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
 // stores are 16-byte row segments of y instead of 2-byte elements 4 rows apart: each thread puts
 // its values (store_out's arithmetic, in the output type) into a [BN][128] tile, then the 256
 // consumer threads copy its rows out. For a y with unit column stride and 16-byte aligned rows;
-// otherwise store_out. Called by both consumer warpgroups once every read of the ring is done.
+// otherwise store_out. Called by both consumer warpgroups once no other reader of `smem` (the
+// tile) is left: the ring's (then float32 outputs too), or stream-K's own 16-bit tile (`wide16`).
 template <int BN>
 __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
-                                           unsigned char* smem, int n0, int m0, int wg, int tid) {
+                                           unsigned char* smem, int n0, int m0, int wg, int tid,
+                                           bool wide16 = false) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int n_base = n0 + 64 * wg + 16 * warp;
   const int esize = p.out_kind == 2 ? 4 : 2;
   const bool rows16 = p.stride_yn == 1 && ((unsigned long long)p.y & 15) == 0 &&
-                      (p.stride_ym * esize) % 16 == 0;
+                      (p.stride_ym * esize) % 16 == 0 && !(wide16 && esize == 4);
   if (!rows16) {
     store_out<BN>(p, acc, n_base, m0, g, t);
     return;
@@ -1888,7 +1897,7 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   // two accumulators and two chunks of fragments), 56 x 128 + 224 x 256 = 168 x 384
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    wide_produce<BN, CL, EVEN>(p, base, bars, n0, q, tid);
+    wide_produce<BN, CL, EVEN>(p, base, bars, n0, blockIdx.x, q, 0, true, tid);
     if (CL == 2) cluster_sync();  // neither CTA leaves while the other may reach its barriers
     return;
   }
@@ -1918,13 +1927,13 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   // loop's back edge (the compiler would wait there)
   static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
   for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
-    wide_step<BN, CL, 0>(p, smem, base, bars, i, q, r0, t, ctid, a, part, acc, slots);
+    wide_step<BN, CL, 0>(p, smem, base, bars, 0, i, q, r0, t, ctid, a, part, acc, slots);
     if (i + 1 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, i + 1, q, r0, t, ctid, a, part, acc, slots);
+      wide_step<BN, CL, 1>(p, smem, base, bars, 0, i + 1, q, r0, t, ctid, a, part, acc, slots);
     if (i + 2 < q.n)
-      wide_step<BN, CL, 0>(p, smem, base, bars, i + 2, q, r0, t, ctid, a, part, acc, slots);
+      wide_step<BN, CL, 0>(p, smem, base, bars, 0, i + 2, q, r0, t, ctid, a, part, acc, slots);
     if (i + 3 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, i + 3, q, r0, t, ctid, a, part, acc, slots);
+      wide_step<BN, CL, 1>(p, smem, base, bars, 0, i + 3, q, r0, t, ctid, a, part, acc, slots);
   }
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
@@ -1994,6 +2003,154 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   PHASE_TIME(3);
 }
 
+// Stream-K over the wide kernel's tiles (CL = 1) where they outnumber the G CTAs (at most one per
+// SM). Tiles are numbered weight-major (the batch tiles of one weight slice side by side, as the
+// plain kernel's grid runs them). All but the last one or two waves' worth run whole, CTA c taking
+// tiles c, c + G, ... (data-parallel: the CTAs share weight slices at each moment); the last
+// T' tiles (G <= T' < 2G) are shared as (tile, fold chunk) units, tile-major, in equal ranges
+// [c U / G, (c + 1) U / G) of their U = T' F units. A range then holds at least a tile's F fold
+// chunks: the tail of one tile, whole tiles and the head of another. A CTA runs that head first and
+// publishes its running sum (the prefix over fold chunks 0 .. h - 1) to the workspace with a flag
+// (the tile's counter), and its tail last, from the previous CTA's prefix of that tile. The sums
+// are the contract's, ((0 + p_0) + p_1) + ... in fold-chunk order, as one CTA adds them; one
+// prefix per shared tile crosses memory.
+struct WideSk {
+  int F, nbx, waves, full0, full1, head_tile, head_f, tail_tile, tail_f;
+  __device__ __forceinline__ WideSk(const Params& p, int bn, int n_folds) : F(n_folds) {
+    nbx = (p.M + bn - 1) / bn;
+    const int tiles = nbx * ((p.N + WR_ROWS - 1) / WR_ROWS), G = gridDim.x;
+    waves = tiles % G ? max(tiles / G - 1, 0) : tiles / G;  // of whole tiles
+    const long long first = (long long)waves * G * F, units = (long long)tiles * F - first;
+    const long long u0 = first + blockIdx.x * units / G;
+    const long long u1 = first + (blockIdx.x + 1) * units / G;
+    head_tile = u1 / F, head_f = u1 % F;  // head: fold chunks [0, head_f) of head_tile
+    tail_tile = u0 / F, tail_f = u0 % F;  // tail: [tail_f, F) of tail_tile, where tail_f > 0
+    full0 = (u0 + F - 1) / F, full1 = u1 / F;  // whole tiles [full0, full1)
+  }
+  __device__ __forceinline__ int count() const {
+    return waves + (head_f > 0) + (full1 - full0) + (tail_f > 0);
+  }
+  // Segment s in run order: its tile, first and end fold chunk, kind (0 whole, 1 head, 2 tail).
+  __device__ __forceinline__ void segment(int s, int& tile, int& fb, int& fe, int& kind) const {
+    fb = 0, fe = F, kind = 0;
+    if (s < waves) {
+      tile = blockIdx.x + s * gridDim.x;
+      return;
+    }
+    s -= waves;
+    if (head_f > 0) {
+      if (s == 0) {
+        tile = head_tile, fe = head_f, kind = 1;
+        return;
+      }
+      --s;
+    }
+    if (s < full1 - full0)
+      tile = full0 + s;
+    else
+      tile = tail_tile, fb = tail_f, kind = 2;
+  }
+};
+
+template <int BN, bool EVEN>
+__device__ __forceinline__ void gemm_wide_sk(const Params& p) {
+  using S = WideShape<BN, 1>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 base = (u32)__cvta_generic_to_shared(smem);
+  const u32 bars = base + S::BARS;  // full[STAGES], then empty[STAGES]
+  const int n_folds = (p.K + 511) / 512, k_chunks = (p.K + 127) / 128;
+  const WideSk sk(p, BN, n_folds);
+  const int segments = sk.count();
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0), tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::STAGES; ++s) {
+      mbar_init(bars + 8 * s, 129);                // each producer thread's copies + the bulk copy
+      mbar_init(bars + 8 * (S::STAGES + s), 256);  // every consumer thread
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 2) {  // the producer: the segments' chunks through one ring
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    for (int sg = 0, o = 0; sg < segments; ++sg) {
+      int tile, fb, fe, kind;
+      sk.segment(sg, tile, fb, fe, kind);
+      const WideSeq q(fb, fe, 1, k_chunks);
+      wide_produce<BN, 1, EVEN>(p, base, bars, (tile / sk.nbx) * WR_ROWS, tile % sk.nbx, q, o,
+                                sg == 0, tid);
+      o += q.n;
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  wait_previous_kernel();
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int r0 = 64 * wg + 16 * warp + g;  // this thread's rows r0, r0 + 8 of the stage
+  const int ctid = 128 * wg + tid;
+  Acc<BN> part, acc;
+  u32 a[2][8][4];
+  for (int sg = 0, o = 0; sg < segments; ++sg) {
+    int tile, fb, fe, kind;
+    sk.segment(sg, tile, fb, fe, kind);
+    WideSeq q(fb, fe, 1, k_chunks);
+    q.keep = true;
+    // the tile's prefix: BN / 8 float4 per consumer thread, [e][256 threads]
+    float4* prefix = (float4*)p.partials + (long long)tile * (BN / 8) * 256 + ctid;
+    if (kind == 2) {  // the tail: wait for the previous CTA's prefix, start from it
+      if (ctid == 0) {
+        int ready = 0;
+        while (!ready)
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
+                       : "=r"(ready)
+                       : "l"(p.counters + tile)
+                       : "memory");
+        p.counters[tile] = 0;  // zero for the next launch (this CTA is the flag's only reader)
+      }
+      asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll
+      for (int e = 0; e < BN / 8; ++e) {
+        const float4 v = __ldcg(prefix + e * 256);
+        acc.d[4 * e] = v.x, acc.d[4 * e + 1] = v.y, acc.d[4 * e + 2] = v.z, acc.d[4 * e + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < BN / 2; ++e) acc.d[e] = 0.f;
+    }
+    {
+      Raw raw;
+      const int s0 = o % S::STAGES;
+      mbar_wait(bars + 8 * s0, (o / S::STAGES) & 1);
+      wide_raw(smem + s0 * S::STAGE, r0, t, raw);
+      decode_raw(raw, a[0]);
+    }
+    for (int i = 0; i < q.n; i += FOLD_CHUNKS) {  // as in gemm_wide
+      wide_step<BN, 1, 0>(p, smem, base, bars, o, i, q, r0, t, ctid, a, part, acc, nullptr);
+      if (i + 1 < q.n)
+        wide_step<BN, 1, 1>(p, smem, base, bars, o, i + 1, q, r0, t, ctid, a, part, acc, nullptr);
+      if (i + 2 < q.n)
+        wide_step<BN, 1, 0>(p, smem, base, bars, o, i + 2, q, r0, t, ctid, a, part, acc, nullptr);
+      if (i + 3 < q.n)
+        wide_step<BN, 1, 1>(p, smem, base, bars, o, i + 3, q, r0, t, ctid, a, part, acc, nullptr);
+    }
+    o += q.n;
+    if (kind == 1) {  // the head: publish the prefix (stores, then the flag with release)
+#pragma unroll
+      for (int e = 0; e < BN / 8; ++e)
+        prefix[e * 256] =
+            make_float4(acc.d[4 * e], acc.d[4 * e + 1], acc.d[4 * e + 2], acc.d[4 * e + 3]);
+      asm volatile("bar.sync 1, 256;" ::: "memory");
+      if (ctid == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p.counters + tile), "r"(1)
+                     : "memory");
+      }
+    } else {
+      wide_store<BN>(p, acc, smem + S::OUT_AT, (tile / sk.nbx) * WR_ROWS, (tile % sk.nbx) * BN,
+                     wg, tid, true);
+    }
+  }
+}
+
 #define WIDE_KERNEL(BN, EVEN, SUFFIX)                                                        \
   extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN##SUFFIX(              \
       const Params p) {                                                                      \
@@ -2003,9 +2160,20 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
       w4a4_wide_c2_n##BN##SUFFIX(const Params p) {                                           \
     gemm_wide<BN, 2, EVEN>(p);                                                               \
   }
+#define WIDE_SK_KERNEL(BN, EVEN, SUFFIX)                                                     \
+  extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_sk_n##BN##SUFFIX(           \
+      const Params p) {                                                                      \
+    gemm_wide_sk<BN, EVEN>(p);                                                               \
+  }
 WIDE_KERNEL(32, true, _even_k)
 WIDE_KERNEL(64, true, _even_k)
 WIDE_KERNEL(128, true, _even_k)
 WIDE_KERNEL(32, false, )
 WIDE_KERNEL(64, false, )
 WIDE_KERNEL(128, false, )
+WIDE_SK_KERNEL(32, true, _even_k)
+WIDE_SK_KERNEL(64, true, _even_k)
+WIDE_SK_KERNEL(128, true, _even_k)
+WIDE_SK_KERNEL(32, false, )
+WIDE_SK_KERNEL(64, false, )
+WIDE_SK_KERNEL(128, false, )

@@ -115,7 +115,8 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert preferred(65, 2048, 4096, 132)
     assert preferred(256, 8192, 8192, 132) and preferred(768, 24576, 4096, 132)
     # without the register-A kernel, M > 896 where the large-M kernel's grid fills >= 90% of its
-    # last wave: the Triton kernel; with it, the register-A kernel up to M = 1024
+    # last wave: the Triton kernel; with it, the register-A kernel up to M = 1536 (1024 at
+    # K <= 1024)
     assert not preferred(1024, 24576, 4096, 132, wide=False)
     assert not preferred(1000, 8192, 8192, 132, wide=False)
     assert preferred(1024, 24576, 4096, 132) and preferred(1000, 8192, 8192, 132)
@@ -123,7 +124,9 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert (LARGE_CONFIG.block_n, LARGE_CONFIG.block_m) == w4a4_gemm_cuda.LARGE_TILE
     assert not preferred(256, 8192, 8192, 132, ws=False, wide=False)  # mid M: 512 CTAs
     assert not preferred(1024, 5120, 2048, 132, wide=False) and preferred(1024, 5120, 2048, 132)
-    assert not preferred(1025, 5120, 2048, 132) and not preferred(2048, 8192, 8192, 132)
+    assert preferred(1536, 5120, 2048, 132) and not preferred(1537, 5120, 2048, 132)
+    assert preferred(1024, 5120, 1024, 132) and not preferred(1025, 5120, 1024, 132)
+    assert not preferred(2048, 8192, 8192, 132)
 
 
 def test_cuda_kernel_names_match_the_source() -> None:
@@ -216,15 +219,31 @@ def test_wide_kernel_plans() -> None:
     assert plan(64, 8192, 8192 + 32, 132, wide=True) == ("wide_c2", 64, 9, 2, 2, 1)
     assert plan(64, 8192, 8192 + 32, 132, wide=False).family == "ws"
     assert plan(1, 8192, 8192, 132, stream=True, wide=True).family == "stream"
-    # 256 < M <= 1024: the wide kernel's modelled plan (8192 x 8192 at M = 384: 119.5 us against
+    # 256 < M <= 1536: the wide kernel's modelled plan (8192 x 8192 at M = 384: 119.5 us against
     # 138.2 for the warp-specialized kernel; 5120 x 2048 at M = 384: 20.0 against 29.2 for the
-    # Triton decode GEMM), the Triton kernels past it
-    assert plan(300, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
+    # Triton decode GEMM), stream-K where the tiles outnumber the SMs and it models faster
+    # (8192 x 8192 at M = 384: 98.3 us against 122.7 for two waves of whole tiles), the Triton
+    # kernels past it (past 1024 at K <= 1024)
+    assert plan(300, 8192, 8192, 132, wide=True) == ("wide_sk", 128, 24, 132, 2, 1)
     assert plan(384, 5120, 2048, 132, wide=True) == ("wide", 128, 4, 1, 2, 1)
-    assert plan(1024, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)
-    assert plan(1025, 8192, 8192, 132, wide=True) is None
-    assert plan(300, 8192, 8192 + 32, 132, wide=True) == ("wide", 128, 17, 1, 2, 1)
+    assert plan(1024, 8192, 8192, 132, wide=True) == ("wide", 128, 16, 1, 2, 1)  # 3.9 waves
+    assert plan(1536, 8192, 8192, 132, wide=True).family == "wide_sk"
+    assert plan(1537, 8192, 8192, 132, wide=True) is None
+    assert plan(1024, 8192, 1024, 132, wide=True).family == "wide"
+    assert plan(1025, 8192, 1024, 132, wide=True) is None
+    assert plan(300, 8192, 8192 + 32, 132, wide=True) == ("wide_sk", 128, 25, 132, 2, 1)
     assert plan(300, 5120, 2048 + 64, 132, wide=True) == ("wide", 128, 5, 1, 2, 1)
+    assert plan(160, 12288, 4096, 132, wide=True) == ("wide_sk", 128, 12, 132, 2, 1)
+    # stream-K: whole tiles in waves but the last one or two waves' worth, shared by fold chunks
+    waves = w4a4_gemm_cuda._sk_waves
+    assert (waves(512, 132), waves(264, 132), waves(200, 132), waves(132, 132)) == (2, 2, 0, 1)
+    sk = w4a4_gemm_cuda.Plan("wide_sk", 128, 24, 132, 2, 1)
+    assert sk.kernel_name(True) == "w4a4_wide_sk_n128_even_k" and sk.threads() == 384
+    assert sk.smem() == 4 * (128 * 96 + 128 * 256 + 16) + 16 + 128 * 272  # its own output tile
+    assert wide_plan(300, 8192, 8192, 132, stream_k=False).family == "wide"
+    assert wide_plan(300, 8192, 8192, 132, 64, stream_k=True).family == "wide_sk"
+    assert wide_plan(64, 8192, 8192, 132, stream_k=True) is None  # 64 tiles: one wave
+    assert wide_plan(300, 8192, 8192, 132, splits=2, stream_k=True) is None
     assert plan(300, 5120, 2048 + 64, 132, wide=False) is None
     # 8 < M <= 16 below the streamed kernel's threshold: the plans of M = 17-32 (2048 x 768 at
     # M = 16: 7.1 us against 11.3 for the Triton decode GEMM); the streamed kernel above it

@@ -630,6 +630,59 @@ def test_wide_gemm_any_k_same_bits_as_triton() -> None:
     _assert_graph_replays_same_bits(w, (20, 200), torch.bfloat16)
 
 
+def test_wide_stream_k_same_bits_as_triton() -> None:
+    """The register-A wide kernel's stream-K variant (whole tiles in waves, the last one or two
+    waves' worth of tiles shared by fold chunks, a tile's running sum handed from one CTA to the
+    next through the workspace) gives the Triton decode GEMM's bits: every batch tile, under two
+    waves of tiles and several, a tile count the CTAs divide, one fold chunk, K % 128 != 0, N and
+    M off the tiles, bias, three output types, NaN / Inf / zero rows, fewer CTAs than SMs; its
+    flags are left at zero; it refuses more CTAs than tiles or SMs; the default dispatch and a
+    CUDA graph serve it."""
+    from minite_kernels import w4a4_gemm_cuda as cu
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    device = torch.device("cuda")
+    cases = (
+        (8192, 1024, (320,)), (5000, 2064, (500,)), (3000, 1040, (777,)), (8192, 512, (300,)),
+        (4224, 2048, (512, 1024)), (2056, 2048, (2100,)),
+    )  # fmt: skip
+    for n, k, ms in cases:
+        w = quantize_nvfp4(_make("heavy", n, k, n + 2).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda()
+        for m in ms:
+            kinds = (
+                (torch.bfloat16, "heavy"),
+                (torch.float32, "specials"),
+                (torch.float16, "blocks"),
+            )
+            for out, kind in kinds:
+                a = quantize_nvfp4(_make(kind, m, k, m + k).cuda())
+                want = nvfp4_gemm_sm90(a, w, bias.to(out), out, config=decode_config(min(m, 512)))
+                plans = []
+                for block_m in (32, 64, 128):
+                    how = cu.wide_plan(m, n, k, 132, block_m, stream_k=True)
+                    if -(-m // block_m) * -(-n // 128) <= 132:  # one wave: no stream-K
+                        assert how is None, (n, k, m, block_m)
+                        continue
+                    assert how.splits == 132, (n, k, m, block_m)
+                    plans += [how, how._replace(splits=100)]
+                for how in plans:
+                    got = torch.full_like(want, float("nan"))
+                    cu.gemm(a, w, bias.to(out), got, 132, how=how)
+                    where = (n, k, m, kind, how)
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+    assert int(cu.split_counters(device).abs().sum()) == 0
+    w = quantize_nvfp4(_make("normal", 8192, 1024, 7).cuda(), amax="tensor", block_2d=True)
+    a = quantize_nvfp4(_make("normal", 320, 1024, 8).cuda())
+    y = torch.empty(320, 8192, dtype=torch.bfloat16, device=device)
+    for ctas in (0, 133):
+        with pytest.raises(ValueError, match="stream-K"):
+            cu.gemm(a, w, None, y, 132, how=cu.Plan("wide_sk", 128, 1, ctas, 2, 1))
+    assert cu.plan(320, 8192, 1024, 132, wide=True).family == "wide_sk"
+    _assert_graph_replays_same_bits(w, (320,), torch.bfloat16)
+    assert int(cu.split_counters(device).abs().sum()) == 0
+
+
 def test_fold_chunk_partials_combine_to_the_gemm_across_k_shards() -> None:
     """nvfp4_gemm_partials of K shards starting on multiples of 512, concatenated and folded by
     fold_partials, equal the unsharded GEMM bitwise (BF16 and float32 out, bias, every M path)."""
