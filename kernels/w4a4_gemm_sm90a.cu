@@ -1805,6 +1805,36 @@ __device__ __forceinline__ void wide_step(const Params& p, const unsigned char* 
   }
 }
 
+// The consumers' run through sequence q from ring position o (q.n > 0 unless EMPTY_OK): its first
+// chunk decoded into a[0], then one fold chunk per iteration (a sequence's fold chunks start at
+// multiples of four; fragment buffers alternate): its last chain is awaited at its end, so none
+// is in flight across the loop's back edge (the compiler would wait there).
+template <int BN, int CL, bool EMPTY_OK>
+__device__ __forceinline__ void wide_consume(const Params& p, const unsigned char* smem, u32 base,
+                                             u32 bars, int o, const WideSeq& q, int r0, int t,
+                                             int ctid, u32 (&a)[2][8][4], Acc<BN>& part,
+                                             Acc<BN>& acc, float4* slots) {
+  using S = WideShape<BN, CL>;
+  if (!EMPTY_OK || q.n > 0) {
+    Raw raw;
+    const int s0 = o % S::STAGES;
+    mbar_wait(bars + 8 * s0, (o / S::STAGES) & 1);
+    PHASE_TIME(1);
+    wide_raw(smem + s0 * S::STAGE, r0, t, raw);
+    decode_raw(raw, a[0]);
+  }
+  static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
+  for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
+    wide_step<BN, CL, 0>(p, smem, base, bars, o, i, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 1 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, o, i + 1, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 2 < q.n)
+      wide_step<BN, CL, 0>(p, smem, base, bars, o, i + 2, q, r0, t, ctid, a, part, acc, slots);
+    if (i + 3 < q.n)
+      wide_step<BN, CL, 1>(p, smem, base, bars, o, i + 3, q, r0, t, ctid, a, part, acc, slots);
+  }
+}
+
 // The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global
 // stores are 16-byte row segments of y instead of 2-byte elements 4 rows apart: each thread puts
 // its values (store_out's arithmetic, in the output type) into a [BN][128] tile, then the 256
@@ -1915,26 +1945,7 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   float4* slots = CL == 1 ? (float4*)p.partials + (long long)tile * n_folds * (BN / 8) * 256 + ctid
                           : nullptr;
   u32 a[2][8][4];
-  if (q.n > 0) {
-    Raw raw;
-    mbar_wait(bars, 0);
-    PHASE_TIME(1);
-    wide_raw(smem, r0, t, raw);
-    decode_raw(raw, a[0]);
-  }
-  // one fold chunk per iteration (a sequence's fold chunks start at multiples of four; fragment
-  // buffers alternate): its last chain is awaited at its end, so none is in flight across the
-  // loop's back edge (the compiler would wait there)
-  static_assert(FOLD_CHUNKS == 4, "the loop below steps through one fold chunk's four chunks");
-  for (int i = 0; i < q.n; i += FOLD_CHUNKS) {
-    wide_step<BN, CL, 0>(p, smem, base, bars, 0, i, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 1 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, 0, i + 1, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 2 < q.n)
-      wide_step<BN, CL, 0>(p, smem, base, bars, 0, i + 2, q, r0, t, ctid, a, part, acc, slots);
-    if (i + 3 < q.n)
-      wide_step<BN, CL, 1>(p, smem, base, bars, 0, i + 3, q, r0, t, ctid, a, part, acc, slots);
-  }
+  wide_consume<BN, CL, true>(p, smem, base, bars, 0, q, r0, t, ctid, a, part, acc, slots);
   PHASE_TIME(2);
   const int m0 = blockIdx.x * BN;
   if constexpr (CL == 2) {
@@ -2116,22 +2127,7 @@ __device__ __forceinline__ void gemm_wide_sk(const Params& p) {
 #pragma unroll
       for (int e = 0; e < BN / 2; ++e) acc.d[e] = 0.f;
     }
-    {
-      Raw raw;
-      const int s0 = o % S::STAGES;
-      mbar_wait(bars + 8 * s0, (o / S::STAGES) & 1);
-      wide_raw(smem + s0 * S::STAGE, r0, t, raw);
-      decode_raw(raw, a[0]);
-    }
-    for (int i = 0; i < q.n; i += FOLD_CHUNKS) {  // as in gemm_wide
-      wide_step<BN, 1, 0>(p, smem, base, bars, o, i, q, r0, t, ctid, a, part, acc, nullptr);
-      if (i + 1 < q.n)
-        wide_step<BN, 1, 1>(p, smem, base, bars, o, i + 1, q, r0, t, ctid, a, part, acc, nullptr);
-      if (i + 2 < q.n)
-        wide_step<BN, 1, 0>(p, smem, base, bars, o, i + 2, q, r0, t, ctid, a, part, acc, nullptr);
-      if (i + 3 < q.n)
-        wide_step<BN, 1, 1>(p, smem, base, bars, o, i + 3, q, r0, t, ctid, a, part, acc, nullptr);
-    }
+    wide_consume<BN, 1, false>(p, smem, base, bars, o, q, r0, t, ctid, a, part, acc, nullptr);
     o += q.n;
     if (kind == 1) {  // the head: publish the prefix (stores, then the flag with release)
 #pragma unroll
