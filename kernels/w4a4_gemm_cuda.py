@@ -136,8 +136,11 @@ _WIDE_FOLD_US, _WIDE_TILE_FOLD_US_PER_MB, _WIDE_PARTIAL_US_PER_MB = 2.4, 9.2, 0.
 #: wave, within 0.93-1.06x of them): a start-up and a cost per partial handed over, by tile.
 _WIDE_C2_US, _WIDE_C2_HAND_OVER_US = 1.1, {32: 0.43, 64: 0.73, 128: 1.35}
 #: The stream-K variant (``wide_sk``): a cost per segment (a tile's part) of a CTA's range: the
-#: output or prefix store and the ring's restart on another tile.
+#: output or prefix store and the ring's restart on another tile; and a factor per batch tile:
+#: against the whole-tile plans it replaced, it ran 5% (64-row tiles, 7 points) and 2.5% (128-row,
+#: 41 points) slower than modelled on average (H200, benchmarks/NOTES_kernels.md, 23rd session).
 _WIDE_SK_SEGMENT_US = 0.8
+_WIDE_SK_FACTOR = {32: 1.05, 64: 1.05, 128: 1.02}
 #: Split-K tile counters per (device, stream); a launch with more tiles does not split.
 MAX_SPLIT_TILES = 1 << 16
 
@@ -478,7 +481,7 @@ def wide_sk_us(m: int, n: int, k: int, sms: int, block_m: int) -> float:
     chunks = waves * k_chunks + triton.cdiv(units * k_chunks, n_folds)
     segments = waves + triton.cdiv(units, n_folds) + 1
     t = chunks * _WIDE_CHUNK_US[block_m] + _WIDE_EPILOGUE_US[block_m]
-    return t + segments * _WIDE_SK_SEGMENT_US
+    return (t + segments * _WIDE_SK_SEGMENT_US) * _WIDE_SK_FACTOR[block_m]
 
 
 def _wide_plan_us(m: int, n: int, k: int, sms: int, how: Plan) -> float:
