@@ -1011,14 +1011,12 @@ def _launch(
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = partials = counters = None
-    if how.family == "wide" and how.splits > 1:  # per (tile, fold chunk): 256 threads x BM / 2
-        size = m_tiles * n_tiles * triton.cdiv(k, FOLD) * 128 * how.block_m
+    if (how.family == "wide" and how.splits > 1) or how.family == "wide_sk":
+        # 256 threads x BM / 2 floats per (tile, fold chunk) of a split, per tile for stream-K's
+        # prefixes (its counters are the tiles' flags)
+        slots = 1 if how.family == "wide_sk" else triton.cdiv(k, FOLD)
+        size = m_tiles * n_tiles * slots * 128 * how.block_m
         partials = torch.empty(size, dtype=torch.float32, device=device)
-        counters = split_counters(device)
-    if how.family == "wide_sk":  # a prefix per tile, 256 threads x BM / 2; a flag per tile
-        partials = torch.empty(
-            m_tiles * n_tiles * 128 * how.block_m, dtype=torch.float32, device=device
-        )
         counters = split_counters(device)
     if how.family == "stream":
         size = stream_units(n, k) * 128 * how.block_m // 2  # per unit, thread: BM / 2 floats

@@ -2147,6 +2147,8 @@ __device__ __forceinline__ void gemm_wide_sk(const Params& p) {
   }
 }
 
+// The register-A wide kernels of batch tile BN: plain (K split through the workspace), two-CTA
+// cluster, stream-K.
 #define WIDE_KERNEL(BN, EVEN, SUFFIX)                                                        \
   extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_n##BN##SUFFIX(              \
       const Params p) {                                                                      \
@@ -2155,8 +2157,7 @@ __device__ __forceinline__ void gemm_wide_sk(const Params& p) {
   extern "C" __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(384, 1)             \
       w4a4_wide_c2_n##BN##SUFFIX(const Params p) {                                           \
     gemm_wide<BN, 2, EVEN>(p);                                                               \
-  }
-#define WIDE_SK_KERNEL(BN, EVEN, SUFFIX)                                                     \
+  }                                                                                          \
   extern "C" __global__ void __launch_bounds__(384, 1) w4a4_wide_sk_n##BN##SUFFIX(           \
       const Params p) {                                                                      \
     gemm_wide_sk<BN, EVEN>(p);                                                               \
@@ -2167,9 +2168,3 @@ WIDE_KERNEL(128, true, _even_k)
 WIDE_KERNEL(32, false, )
 WIDE_KERNEL(64, false, )
 WIDE_KERNEL(128, false, )
-WIDE_SK_KERNEL(32, true, _even_k)
-WIDE_SK_KERNEL(64, true, _even_k)
-WIDE_SK_KERNEL(128, true, _even_k)
-WIDE_SK_KERNEL(32, false, )
-WIDE_SK_KERNEL(64, false, )
-WIDE_SK_KERNEL(128, false, )
