@@ -8,15 +8,17 @@ from its codes into shared memory, split K over a thread-block cluster whose fir
 partials from distributed shared memory; mid M: the activation decoded once by a first launch and
 streamed through a ring); wide M is warp-specialized (producer warpgroups decode the weight into
 shared memory and bulk-copy the decoded activation, consumer warpgroups run wgmma with both operands
-in shared memory) or, the default at 16 < M <= 1024, register-A (a producer warpgroup stages 128
-weight rows' codes and the decoded activation, two consumer warpgroups decode the codes into wgmma
-fragments; K split over fold chunks by a time model, through a float32 workspace or over a two-CTA
-cluster whose second CTA hands each fold chunk's partial to the first by bulk copy between their
-shared memories). On weights below ``STREAM_MIN_WEIGHT`` the mid-M and register-A defaults start at
-M = 9. It computes the same bits as the Triton decode GEMM (contract v2 K order; tests
-pin this). By default it serves the shapes where it measured faster than the Triton kernel on the
-H200 (:func:`serves`); ``MINITE_CUDA_KERNELS=1`` makes it serve every shape it supports, ``0`` turns
-it off; without NVRTC or nvcc the Triton kernel serves everything."""
+in shared memory) or, the default at 16 < M <= 1536 (1024 where K <= 1024), register-A (a
+producer warpgroup stages 128 weight rows' codes and the decoded activation, two consumer
+warpgroups decode the codes into wgmma fragments; K split over fold chunks by a time model, through
+a float32 workspace, over a two-CTA cluster whose second CTA hands each fold chunk's partial to the
+first by bulk copy between their shared memories, or stream-K where the tiles outnumber the SMs:
+one CTA per SM, the last waves' tiles shared as (tile, fold chunk) ranges that pass on a prefix).
+On weights below ``STREAM_MIN_WEIGHT`` the mid-M and register-A defaults start at M = 9. It computes
+the same bits as the Triton decode GEMM (contract v2 K order; tests pin this). By default it serves
+the shapes where it measured faster than the Triton kernel on the H200 (:func:`serves`);
+``MINITE_CUDA_KERNELS=1`` makes it serve every shape it supports, ``0`` turns it off; without NVRTC
+or nvcc the Triton kernel serves everything."""
 
 from __future__ import annotations
 

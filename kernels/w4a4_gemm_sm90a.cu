@@ -1,4 +1,4 @@
-// W4A4 GEMM for M <= 256 on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC): small M (this
+// W4A4 GEMM for M <= 1536 on Hopper (sm_90a), CUDA C++ compiled at run time (NVRTC): small M (this
 // section), mid M, wide M (warp-specialized), small M streamed and wide M with register A
 // (sections below).
 //
