@@ -413,7 +413,7 @@ def wide_fits(a, w) -> bool:
 def _wide_weight_fits(m: int, w) -> bool:
     return (
         w.cols % 16 == 0
-        and triton.cdiv(m, 32) * triton.cdiv(w.rows, WIDE_ROWS) <= MAX_SPLIT_TILES
+        and _wide_tiles(m, w.rows, 32) <= MAX_SPLIT_TILES
         and _rows_8b(w.codes)
         and w.codes.stride(1) == 1
         and w.scales.stride(1) == 1
@@ -430,6 +430,11 @@ def _wide_even(w) -> bool:
         and scales.data_ptr() % 8 == 0
         and scales.stride(0) * scales.element_size() % 8 == 0
     )
+
+
+def _wide_tiles(m: int, n: int, block_m: int) -> int:
+    """The register-A wide kernels' output tiles: ``block_m`` batch rows x 128 weight rows."""
+    return triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
 
 
 def _wide_cta_chunks(k: int, splits: int, cluster: bool = False) -> int:
@@ -452,7 +457,7 @@ def wide_us(
     """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``);
     ``cluster``: K split over two-CTA clusters (``splits`` 2, one wave of CTAs) instead of over
     CTAs that fold through a workspace."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
+    tiles = _wide_tiles(m, n, block_m)
     n_folds = triton.cdiv(k, FOLD)
     t = triton.cdiv(tiles * splits, sms) * _wide_cta_chunks(k, splits, cluster)
     t *= _WIDE_CHUNK_US[block_m]
@@ -476,7 +481,7 @@ def wide_sk_us(m: int, n: int, k: int, sms: int, block_m: int) -> float:
     most chunks one CTA runs (whole tiles, then its share of the rest's fold chunks at their
     average chunks), the wide kernel's costs per chunk and launch, and a cost per segment
     (:data:`_WIDE_SK_SEGMENT_US`)."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, WIDE_ROWS)
+    tiles = _wide_tiles(m, n, block_m)
     n_folds, k_chunks = triton.cdiv(k, FOLD), triton.cdiv(k, CHUNK)
     waves = _sk_waves(tiles, sms)
     units = triton.cdiv((tiles - waves * sms) * n_folds, sms)  # shared fold chunks per CTA
@@ -525,7 +530,7 @@ def wide_plan(
         tiles = tuple(b for b in _WIDE_BLOCK_MS if b == _WIDE_BLOCK_MS[0] or b // 2 < m)
     options = []
     for b in tiles:
-        ctas = triton.cdiv(m, b) * triton.cdiv(n, WIDE_ROWS)  # per split
+        ctas = _wide_tiles(m, n, b)  # per split
         if ctas > sms and stream_k is not False and not cluster and splits is None:
             per_cta = triton.cdiv(ctas * n_folds, sms)  # fold chunks
             options.append((wide_sk_us(m, n, k, sms, b), Plan("wide_sk", b, per_cta, sms, 2, 1)))
@@ -569,7 +574,7 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     and it was the fastest plan on none of 201 measured points at M = 32-256), and always above
     (see :data:`WIDE_MAX_M`)."""
     if m <= 32:
-        return triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS) <= sms
+        return _wide_tiles(m, n, how.block_m) <= sms
     if m > MAX_M:
         return True
     ws = _ws_plan(m, n, sms)
@@ -883,7 +888,7 @@ def gemm(
             "and 8-byte aligned rows of codes"
         )
     if how.family == "wide_sk":
-        tiles = triton.cdiv(m, how.block_m) * triton.cdiv(n, WIDE_ROWS)
+        tiles = _wide_tiles(m, n, how.block_m)
         if not 0 < how.splits <= min(tiles, sms):
             raise ValueError(
                 "the stream-K wide-M CUDA C++ GEMM runs on 1..min(tiles, SMs) CTAs (all "
