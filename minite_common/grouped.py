@@ -28,7 +28,7 @@ from minite_kernels.dispatch import kernel_arch
 
 from . import autograd as _autograd
 from .autograd import nvfp4_dgrad, nvfp4_wgrad
-from .linear import check_weight, grouped_w4a4_linear, quantize_weight
+from .linear import check_weight, grouped_w4a4_linear, host_group_sizes, quantize_weight
 from .nvfp4 import BLOCK, NVFP4Tensor, cat_rows, check_quantizable
 from .recipe import DEFAULT_RECIPE, NVFP4Recipe
 
@@ -304,5 +304,5 @@ def grouped_w4a4_linear_train(
         )
     if x.dim() != 2:
         raise ValueError(f"grouped_w4a4_linear_train: x must be [T, K], got {list(x.shape)}")
-    sizes = [int(s) for s in group_sizes]
+    sizes = host_group_sizes(group_sizes, "grouped_w4a4_linear_train")
     return _GroupedW4A4Function.apply(x, weight, w_q, sizes, recipe)

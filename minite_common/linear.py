@@ -278,6 +278,19 @@ def quantize_weight(
     )
 
 
+def host_group_sizes(group_sizes: torch.Tensor | list[int], where: str) -> list[int]:
+    """``group_sizes`` as a host list of ints; raises, naming ``where``, unless every size is a
+    non-negative whole number."""
+    given = group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else list(group_sizes)
+    sizes = [int(s) for s in given]
+    if any(s < 0 or s != g for s, g in zip(sizes, given, strict=True)):
+        raise ValueError(
+            f"{where}: group sizes must be non-negative whole numbers (rows per expert, e.g. "
+            f"expert_counts of the routed expert ids), got {given}"
+        )
+    return sizes
+
+
 def grouped_w4a4_linear(
     x: torch.Tensor,
     w: NVFP4Tensor,
@@ -308,7 +321,7 @@ def grouped_w4a4_linear(
     if on_device:
         groups = group_sizes.numel()
     else:
-        sizes = [int(s) for s in group_sizes]
+        sizes = host_group_sizes(group_sizes, where)
         groups = len(sizes)
     if x.dim() != 2 or x.shape[-1] != w.cols:
         raise ValueError(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minite_common import quantize_weight, row_amax, w4a4_linear
+from minite_common import (
+    grouped_w4a4_linear,
+    grouped_w4a4_linear_train,
+    quantize_stacked_weight,
+    quantize_weight,
+    row_amax,
+    w4a4_linear,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +42,17 @@ def test_row_amax_checked(weight) -> None:
             w4a4_linear(x, weight, row_amax=bad)
     with pytest.raises(ValueError, match="shape"):
         w4a4_linear(x, weight, row_amax=good[:3])
+
+
+def test_grouped_sizes_checked() -> None:
+    w = quantize_weight(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    for bad in ([-1, 4], [1.5, 1.5], torch.tensor([-1, 4])):
+        with pytest.raises(ValueError, match="non-negative whole numbers"):
+            grouped_w4a4_linear(x, w, bad)
+    with pytest.raises(ValueError, match="summing to T"):
+        grouped_w4a4_linear(x, w, [1, 1])
+    assert grouped_w4a4_linear(x, w, torch.tensor([0, 3])).shape == (3, 16)
+    master = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="grouped_w4a4_linear_train: group sizes"):
+        grouped_w4a4_linear_train(x, master, quantize_stacked_weight(master, 16), [2.5, 0.5])
