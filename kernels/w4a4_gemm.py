@@ -101,9 +101,12 @@ def epilogue_store(
 @triton.jit
 def _group_tile(sizes_ptr, G, pid_m, M, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
     """Row tile ``pid_m`` of rows grouped by expert (group g: ``sizes[g]`` consecutive rows, each
-    group's rows cut into BLOCK_M tiles): (first row, end row, group); group G: no such tile."""
+    group's rows cut into BLOCK_M tiles): (first row, end row, group); group G: no such tile.
+    Sizes on the device are not checked on the host: each is clamped to [0, M] (no int32
+    overflow in the sums), and rows past M are neither read nor written."""
     offs_g = tl.arange(0, BLOCK_G)
-    sizes = tl.load(sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int32)
+    sizes = tl.load(sizes_ptr + offs_g, mask=offs_g < G, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), M).to(tl.int32)
     tiles = (sizes + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, 0)
     rows_end = tl.cumsum(sizes, 0)

@@ -130,14 +130,18 @@ def nvfp4_gemm_sm100(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -
     return y
 
 
-def _group_tiles(sizes: list[int], n: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [tiles, 3]: (first row, end row, first weight row) of each expert's row tile."""
+def _group_tiles(
+    sizes: list[int], n: int, block_m: int, total: int, device: torch.device
+) -> torch.Tensor:
+    """int32 [tiles, 3]: (first row, end row, first weight row) of each expert's row tile. As on
+    Hopper, a negative size counts as 0 and rows past ``total`` get no tile."""
     rows: list[int] = []
     start = 0
     for g, size in enumerate(sizes):
-        for r in range(start, start + size, block_m):
-            rows += [r, start + size, g * n]
-        start += size
+        end = min(start + max(size, 0), total)
+        for r in range(start, end, block_m):
+            rows += [r, end, g * n]
+        start = end
     return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
 
 
@@ -148,7 +152,7 @@ def grouped_nvfp4_gemm_sm100(a, w, sizes, out_dtype=torch.bfloat16) -> torch.Ten
     n = w.rows // len(sizes)
     y = torch.empty(a.rows, n, dtype=out_dtype, device=a.device)
     if a.rows and n:
-        tiles = _group_tiles(sizes, n, BLOCK_M, a.device)
+        tiles = _group_tiles(sizes, n, BLOCK_M, a.rows, a.device)
         _launch(a, w, None, y, tiles, BLOCK_M, tiles.shape[0], n)
     return y
 

@@ -307,9 +307,11 @@ def grouped_w4a4_linear(
 
     Row t of group g gives bitwise what ``w4a4_linear(x[t:t+1], expert g's weight)`` gives;
     ``row_amax`` as in :func:`w4a4_linear`. On a GPU, ``group_sizes`` may be a device tensor
-    (e.g. ``torch.bincount`` of the routed expert ids): the kernel reads it there, so the call
-    never synchronizes with the host and can be captured in a CUDA graph (its sum is then not
-    checked on the host; rows past the sum are left unwritten). ``tp_group``, ``where``: as in
+    (e.g. :func:`expert_counts` of the routed expert ids): the kernel reads it there, so the call
+    never synchronizes with the host and can be captured in a CUDA graph (the sizes are then not
+    checked on the host: a negative size counts as 0, rows of x past the sizes' sum are left
+    unwritten and sizes past T are cut at T, so no row outside x is read or written). Sizes on
+    the host must be non-negative whole numbers summing to T. ``tp_group``, ``where``: as in
     :func:`w4a4_linear` (row-parallel experts under expert TP, combined deterministically; the
     group sizes are then read on the host).
     """

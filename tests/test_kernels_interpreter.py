@@ -49,6 +49,19 @@ def test_cpu_tensors_take_the_torch_path() -> None:
     assert gemm_path("cpu") == "torch-exact-f64"
 
 
+def test_blackwell_group_tiles_clamp_sizes() -> None:
+    """The Blackwell grouped GEMM's row tiles (host side, never run on a device here): a negative
+    size counts as 0 and rows past the total get no tile, as the Hopper kernel reads device sizes
+    (the ``grouped`` check above), so bad sizes cannot reach out-of-bounds rows."""
+    pytest.importorskip("triton")
+    from minite_kernels.w4a4_gemm_sm100 import _group_tiles
+
+    assert _group_tiles([-5, 8, 17, 1], 32, 16, 21, "cpu").tolist() == [[0, 8, 32], [8, 21, 64]]
+    assert _group_tiles([0, 3, 17, 1], 32, 16, 21, "cpu").tolist() == [
+        [0, 3, 32], [3, 20, 64], [19, 20, 64], [20, 21, 96]
+    ]  # fmt: skip
+
+
 def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """``MINITE_CUDA_KERNELS`` picks off / on / auto, and CPU tensors never reach the CUDA C++
     kernel (nor compile it)."""
@@ -630,6 +643,14 @@ def _check_grouped() -> None:
     y2 = grouped_nvfp4_gemm_sm90(a, w, on_device, torch.float32,
                                  config=DecodeConfig(64, 16, 4, 1, 2), use_asm=False)  # fmt: skip
     assert torch.equal(y, y2)
+    # Device sizes are not checked on the host: a negative one counts as 0, and rows past T are
+    # neither read nor written (no out-of-bounds access), as host sizes cut at T would give
+    for cfg in (DecodeConfig(64, 16, 4, 1, 2), LargeConfig(64, 16, 64, 2, 4, 1)):
+        got = grouped_nvfp4_gemm_sm90(a, w, torch.tensor([-5, 2**31 - 1, 17, 1]), torch.float32,
+                                      config=cfg, use_asm=False)  # fmt: skip
+        cut = grouped_nvfp4_gemm_sm90(a, w, torch.tensor([0, 21, 0, 0]), torch.float32,
+                                      config=cfg, use_asm=False)  # fmt: skip
+        assert torch.equal(got, cut), cfg
     # The pre-decoded (large) kernel, groups walked on the device, tiles crossing groups and
     # experts: each group's rows as the dense kernel of the same tiles gives them (the
     # interpreter's float32 dot sums a BLOCK_K at once, so compare within one configuration)

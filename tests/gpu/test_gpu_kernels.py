@@ -264,6 +264,15 @@ def test_grouped_gemm_equals_dense_per_group() -> None:
                                   config=DecodeConfig(64, 16, 4, 4, split_k=2))  # fmt: skip
     ref = grouped_nvfp4_gemm_sm90(a, w, sizes, torch.float32, config=DecodeConfig(64, 16, 4, 4))
     assert torch.equal(got, ref)
+    # bad device sizes (not checked on the host): a negative one counts as 0, sizes past T are cut
+    # at T; no row outside x is read or written (an out-of-bounds access would raise here)
+    bad = torch.tensor([-7, 1, 17, 3, 0, 40, 2**31 - 1, 5], device="cuda")
+    cut = [0, 1, 17, 3, 0, 40, sum(sizes) - 61, 0]
+    for cfg in (DecodeConfig(64, 16, 4, 4), DecodeConfig(64, 16, 4, 4, split_k=2), LargeConfig()):
+        got = grouped_nvfp4_gemm_sm90(a, w, bad, torch.float32, config=cfg)
+        want = grouped_nvfp4_gemm_sm90(a, w, cut, torch.float32, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), cfg
 
 
 def test_grouped_large_path_equals_dense_per_group() -> None:
