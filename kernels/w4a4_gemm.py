@@ -102,8 +102,8 @@ def epilogue_store(
 def _group_tile(sizes_ptr, G, pid_m, M, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
     """Row tile ``pid_m`` of rows grouped by expert (group g: ``sizes[g]`` consecutive rows, each
     group's rows cut into BLOCK_M tiles): (first row, end row, group); group G: no such tile.
-    Sizes on the device are not checked on the host: each is clamped to [0, M] (no int32
-    overflow in the sums), and rows past M are neither read nor written."""
+    Sizes on the device are not checked on the host: each is clamped to [0, M] (so a huge size
+    cannot wrap the int32 sums), and rows past M are neither read nor written."""
     offs_g = tl.arange(0, BLOCK_G)
     sizes = tl.load(sizes_ptr + offs_g, mask=offs_g < G, other=0)
     sizes = tl.minimum(tl.maximum(sizes, 0), M).to(tl.int32)

@@ -52,7 +52,10 @@ def test_grouped_sizes_checked() -> None:
             grouped_w4a4_linear(x, w, bad)
     with pytest.raises(ValueError, match="summing to T"):
         grouped_w4a4_linear(x, w, [1, 1])
-    assert grouped_w4a4_linear(x, w, torch.tensor([0, 3])).shape == (3, 16)
+    # valid sizes as a (CPU) tensor: the same bits as the list
+    assert torch.equal(
+        grouped_w4a4_linear(x, w, torch.tensor([0, 3])), grouped_w4a4_linear(x, w, [0, 3])
+    )
     master = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="grouped_w4a4_linear_train: group sizes"):
         grouped_w4a4_linear_train(x, master, quantize_stacked_weight(master, 16), [2.5, 0.5])
