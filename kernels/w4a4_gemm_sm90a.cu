@@ -1559,9 +1559,11 @@ struct WideShape {
   static constexpr int BARS = STAGES * STAGE;
   static constexpr int SLOT_BARS = BARS + 16 * STAGES + 16;
   static constexpr int SLOTS_AT = SLOT_BARS + 16 * SLOTS;
-  // stream-K (CL = 1): a 16-bit output tile of its own, as the ring keeps running across tiles
+  // stream-K (CL = 1): an output tile of its own, as the ring keeps running across tiles (half
+  // the tile's raw sums at a time, BN / 2 rows of 528 bytes: wide_store)
   static constexpr int OUT_AT = SLOTS_AT + SLOTS * SLOT_BYTES;
   static constexpr int OUT_BYTES = BN * (128 * 2 + 16);
+  static_assert(BN / 2 * 528 <= OUT_BYTES, "wide_store's half tile");
 };
 
 __device__ __forceinline__ void wgmma(Acc<128>& c, const u32 (&a)[4], u64 desc, int accumulate) {
@@ -1836,54 +1838,72 @@ __device__ __forceinline__ void wide_consume(const Params& p, const unsigned cha
 }
 
 // The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global
-// stores are 16-byte row segments of y instead of 2-byte elements 4 rows apart: each thread puts
-// its values (store_out's arithmetic, in the output type) into a [BN][128] tile, then the 256
-// consumer threads copy its rows out. For a y with unit column stride and 16-byte aligned rows;
-// otherwise store_out. Called by both consumer warpgroups once no other reader of `smem` (the
-// tile) is left: the ring's (then float32 outputs too), or stream-K's own 16-bit tile (`wide16`).
-template <int BN>
+// stores are row segments of y instead of 2-byte elements 4 rows apart, with little code: each
+// thread's raw sums go into a float32 tile [rows][128] (pitch 528 bytes: conflict-free), then a
+// rolled loop over 8-column row segments applies the epilogue (OutScales::apply's operations in its
+// order: the same bits) and stores 16 bytes (32 of float32). BN / 2 unrolled copies of the
+// arithmetic per output type (store_out's way) made the wide kernels' code ~150 KB, cold in the
+// instruction cache after the main loop. PASSES = 2: the tile in two halves of BN / 2 rows
+// (stream-K's own tile region). For a y with unit column stride and 16-byte aligned rows, else
+// store_out. Called by both consumer warpgroups once no other reader of `smem` (the tile) is
+// left: the ring's, or stream-K's tile region.
+template <int BN, int PASSES>
 __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
-                                           unsigned char* smem, int n0, int m0, int wg, int tid,
-                                           bool wide16 = false) {
+                                           unsigned char* smem, int n0, int m0, int wg, int tid) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int n_base = n0 + 64 * wg + 16 * warp;
-  const int esize = p.out_kind == 2 ? 4 : 2;
-  const bool rows16 = p.stride_yn == 1 && ((unsigned long long)p.y & 15) == 0 &&
-                      (p.stride_ym * esize) % 16 == 0 && !(wide16 && esize == 4);
-  if (!rows16) {
-    store_out<BN>(p, acc, n_base, m0, g, t);
+  const bool f32 = p.out_kind == 2;
+  const int esize = f32 ? 4 : 2;
+  if (p.stride_yn != 1 || ((unsigned long long)p.y & 15) != 0 || (p.stride_ym * esize) % 16 != 0) {
+    store_out<BN>(p, acc, n0 + 64 * wg + 16 * warp, m0, g, t);
     return;
   }
-  const int pitch = 128 * esize + 16;  // bytes per tile row (padded: conflict-free writes)
-  const OutScales<BN> sc(p, n_base, m0, g, t);
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups are past the ring
+  constexpr int PITCH = 528, TILE_M = BN / PASSES, ELEMS = BN / 2 / PASSES;
+  float* mine = (float*)(smem + 2 * t * PITCH) + 64 * wg + 16 * warp + g;
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) {
-    const int j = i / 4, e = i % 4;
-    const int c = 64 * wg + 16 * warp + g + ((e & 2) ? 8 : 0);
-    const int r = 8 * j + 2 * t + (e & 1);
-    const float v = sc.apply(p, acc.d[i], i);
-    unsigned char* dst = smem + r * pitch + c * esize;
-    if (p.out_kind == 2)
-      *(float*)dst = v;
-    else
-      *(unsigned short*)dst = out16(p, v);
-  }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  const int per_row = 128 * esize / 16, per_seg = 16 / esize;  // 16-byte segments of a row
-  for (int id = 128 * wg + tid; id < BN * per_row; id += 256) {
-    const int r = id / per_row, s = id % per_row, m = m0 + r, n = n0 + s * per_seg;
-    if (m >= p.M || n >= p.N) continue;
-    const unsigned char* src = smem + r * pitch + s * 16;
-    char* row = (char*)p.y + ((long long)m * p.stride_ym + n) * esize;
-    if (n + per_seg <= p.N) {
-      *(uint4*)row = *(const uint4*)src;
-    } else {  // the last columns of y
-      for (int q = 0; q < p.N - n; ++q) {
-        if (esize == 4)
-          ((float*)row)[q] = ((const float*)src)[q];
-        else
-          ((unsigned short*)row)[q] = ((const unsigned short*)src)[q];
+  for (int pass = 0; pass < PASSES; ++pass) {
+    // both warpgroups past the ring (pass 0) or the previous pass's (or tile's) reads
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll
+    for (int i = pass * ELEMS; i < (pass + 1) * ELEMS; ++i) {  // rows 8 j + 2 t + (e & 1)
+      const int j = i / 4 - pass * TILE_M / 8, e = i % 4;
+      mine[(8 * j + (e & 1)) * (PITCH / 4) + ((e & 2) ? 8 : 0)] = acc.d[i];
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll 1
+    for (int id = 128 * wg + tid; id < TILE_M * 16; id += 256) {
+      const int r = id >> 4, m = m0 + pass * TILE_M + r, n = n0 + 8 * (id & 15);
+      if (m >= p.M || n >= p.N) continue;
+      const float ad = p.a_dec[(long long)m * p.a_dec_stride];
+      const float* src = (const float*)(smem + r * PITCH) + 8 * (id & 15);
+      float v[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int nc = min(n + c, p.N - 1);
+        float x = __fmul_rn(src[c], 16384.0f);
+        x = __fmul_rn(x, ad);
+        x = __fmul_rn(x, p.w_dec[(long long)nc * p.w_dec_stride]);
+        if (p.bias) x = __fadd_rn(x, p.bias[nc]);
+        v[c] = x;
+      }
+      char* row = (char*)p.y + ((long long)m * p.stride_ym + n) * esize;
+      const int valid = min(8, p.N - n);  // the last columns of y: element by element
+      if (f32) {
+        if (valid == 8) {
+          ((float4*)row)[0] = make_float4(v[0], v[1], v[2], v[3]);
+          ((float4*)row)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+          for (int c = 0; c < valid; ++c) ((float*)row)[c] = v[c];
+        }
+      } else {
+        unsigned short h[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = out16(p, v[c]);
+        if (valid == 8) {
+          *(uint4*)row = make_uint4(h[0] | (u32)h[1] << 16, h[2] | (u32)h[3] << 16,
+                                    h[4] | (u32)h[5] << 16, h[6] | (u32)h[7] << 16);
+        } else {
+          for (int c = 0; c < valid; ++c) ((unsigned short*)row)[c] = h[c];
+        }
       }
     }
   }
@@ -1951,14 +1971,14 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   if constexpr (CL == 2) {
     if (z == 0) {
       if (n_folds % 2 == 0) wide_fold_slot<BN>(base, n_folds / 2 - 1, ctid, acc, smem);
-      wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+      wide_store<BN, 1>(p, acc, smem, n0, m0, wg, tid);
     }
     PHASE_TIME(3);
     cluster_sync();
     return;
   }
   if (splits == 1) {
-    wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+    wide_store<BN, 1>(p, acc, smem, n0, m0, wg, tid);
     PHASE_TIME(3);
     return;
   }
@@ -2009,7 +2029,7 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
         }
       }
   }
-  wide_store<BN>(p, acc, smem, n0, m0, wg, tid);
+  wide_store<BN, 1>(p, acc, smem, n0, m0, wg, tid);
   if (threadIdx.x == 0) p.counters[tile] = 0;
   PHASE_TIME(3);
 }
@@ -2141,8 +2161,8 @@ __device__ __forceinline__ void gemm_wide_sk(const Params& p) {
                      : "memory");
       }
     } else {
-      wide_store<BN>(p, acc, smem + S::OUT_AT, (tile / sk.nbx) * WR_ROWS, (tile % sk.nbx) * BN,
-                     wg, tid, true);
+      wide_store<BN, 2>(p, acc, smem + S::OUT_AT, (tile / sk.nbx) * WR_ROWS,
+                        (tile % sk.nbx) * BN, wg, tid);
     }
   }
 }
