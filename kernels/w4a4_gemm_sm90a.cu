@@ -1563,7 +1563,7 @@ struct WideShape {
   // the tile's raw sums at a time, BN / 2 rows of 528 bytes: wide_store)
   static constexpr int OUT_AT = SLOTS_AT + SLOTS * SLOT_BYTES;
   static constexpr int OUT_BYTES = BN * (128 * 2 + 16);
-  static_assert(BN / 2 * 528 <= OUT_BYTES, "wide_store's half tile");
+  static_assert(BN / 2 * 528 + BN * 4 <= OUT_BYTES, "wide_store's half tile and scales");
 };
 
 __device__ __forceinline__ void wgmma(Acc<128>& c, const u32 (&a)[4], u64 desc, int accumulate) {
@@ -1840,13 +1840,15 @@ __device__ __forceinline__ void wide_consume(const Params& p, const unsigned cha
 // The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global
 // stores are row segments of y instead of 2-byte elements 4 rows apart, with little code: each
 // thread's raw sums go into a float32 tile [rows][128] (pitch 528 bytes: conflict-free), then a
-// rolled loop over 8-column row segments applies the epilogue (OutScales::apply's operations in its
-// order: the same bits) and stores 16 bytes (32 of float32). BN / 2 unrolled copies of the
-// arithmetic per output type (store_out's way) made the wide kernels' code ~150 KB, cold in the
-// instruction cache after the main loop. PASSES = 2: the tile in two halves of BN / 2 rows
-// (stream-K's own tile region). For a y with unit column stride and 16-byte aligned rows, else
-// store_out. Called by both consumer warpgroups once no other reader of `smem` (the tile) is
-// left: the ring's, or stream-K's tile region.
+// rolled loop over 8-column row segments applies the epilogue (OutScales::apply's operations in
+// its order: the same bits) and stores 16 bytes (32 of float32). A thread's segments share their
+// columns, so it loads their weight decode scales and bias once, and the tile's activation decode
+// scales go through shared memory (one load per thread), all before the first barrier: one memory
+// latency in all. (BN / 2 unrolled copies of the arithmetic per output type, store_out's way, made
+// the wide kernels' code ~150 KB, cold in the instruction cache after the main loop.) PASSES = 2:
+// the tile in two halves of BN / 2 rows (stream-K's own tile region). For a y with unit column
+// stride and 16-byte aligned rows, else store_out. Called by both consumer warpgroups once no
+// other reader of `smem` (the tile) is left: the ring's, or stream-K's tile region.
 template <int BN, int PASSES>
 __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
                                            unsigned char* smem, int n0, int m0, int wg, int tid) {
@@ -1858,31 +1860,42 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
     return;
   }
   constexpr int PITCH = 528, TILE_M = BN / PASSES, ELEMS = BN / 2 / PASSES;
+  const int ctid = 128 * wg + tid, n = n0 + 8 * (ctid & 15);  // this thread's segments' columns
+  float wd[8], bs[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int nc = min(n + c, p.N - 1);
+    wd[c] = p.w_dec[(long long)nc * p.w_dec_stride];
+    bs[c] = p.bias ? p.bias[nc] : 0.f;
+  }
+  const float ad = ctid < BN ? p.a_dec[(long long)min(m0 + ctid, p.M - 1) * p.a_dec_stride] : 0.f;
+  float* ads = (float*)(smem + TILE_M * PITCH);  // the tile's activation decode scales
   float* mine = (float*)(smem + 2 * t * PITCH) + 64 * wg + 16 * warp + g;
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     // both warpgroups past the ring (pass 0) or the previous pass's (or tile's) reads
     asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (pass == 0 && ctid < BN) ads[ctid] = ad;
 #pragma unroll
     for (int i = pass * ELEMS; i < (pass + 1) * ELEMS; ++i) {  // rows 8 j + 2 t + (e & 1)
       const int j = i / 4 - pass * TILE_M / 8, e = i % 4;
       mine[(8 * j + (e & 1)) * (PITCH / 4) + ((e & 2) ? 8 : 0)] = acc.d[i];
     }
     asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (n >= p.N) continue;
 #pragma unroll 1
-    for (int id = 128 * wg + tid; id < TILE_M * 16; id += 256) {
-      const int r = id >> 4, m = m0 + pass * TILE_M + r, n = n0 + 8 * (id & 15);
-      if (m >= p.M || n >= p.N) continue;
-      const float ad = p.a_dec[(long long)m * p.a_dec_stride];
-      const float* src = (const float*)(smem + r * PITCH) + 8 * (id & 15);
+    for (int r = ctid >> 4; r < TILE_M; r += 16) {
+      const int m = m0 + pass * TILE_M + r;
+      if (m >= p.M) break;
+      const float a = ads[pass * TILE_M + r];
+      const float* src = (const float*)(smem + r * PITCH) + 8 * (ctid & 15);
       float v[8];
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
-        const int nc = min(n + c, p.N - 1);
         float x = __fmul_rn(src[c], 16384.0f);
-        x = __fmul_rn(x, ad);
-        x = __fmul_rn(x, p.w_dec[(long long)nc * p.w_dec_stride]);
-        if (p.bias) x = __fadd_rn(x, p.bias[nc]);
+        x = __fmul_rn(x, a);
+        x = __fmul_rn(x, wd[c]);
+        if (p.bias) x = __fadd_rn(x, bs[c]);
         v[c] = x;
       }
       char* row = (char*)p.y + ((long long)m * p.stride_ym + n) * esize;
