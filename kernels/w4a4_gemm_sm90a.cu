@@ -253,6 +253,15 @@ __device__ __forceinline__ void decode_raw(const Raw& r, u32 (&a)[8][4]) {
 
 __device__ __forceinline__ float bits_f32(u32 v) { return __int_as_float((int)v); }
 
+// The contract's epilogue for one output: the accumulator * 2^14, * the activation and weight
+// decode scales, + the bias (where there is one), one IEEE operation at a time.
+__device__ __forceinline__ float out_value(const Params& p, float d, float ad, float wd, float b) {
+  float v = __fmul_rn(d, 16384.0f);
+  v = __fmul_rn(v, ad);
+  v = __fmul_rn(v, wd);
+  return p.bias ? __fadd_rn(v, b) : v;
+}
+
 // The epilogue's factors for one thread's outputs (weight rows n_base + g and n_base + g + 8,
 // batch rows m0 + 8 j + 2 t + {0, 1}; clamped), loaded before any store: loads after a store
 // of the output could not be moved above it by the compiler, and each would wait for memory.
@@ -269,14 +278,10 @@ struct OutScales {
     for (int h = 0; h < BM / 4; ++h)
       ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
   }
-  // Accumulator element i as an output: * 2^14, * the activation and weight decode scales, + bias.
+  // Accumulator element i as an output (out_value).
   __device__ __forceinline__ float apply(const Params& p, float d, int i) const {
     const int j = i / 4, e = i % 4;
-    float v = __fmul_rn(d, 16384.0f);
-    v = __fmul_rn(v, ad[2 * j + (e & 1)]);
-    v = __fmul_rn(v, (e & 2) ? wb : wa);
-    if (p.bias) v = __fadd_rn(v, (e & 2) ? bb : ba);
-    return v;
+    return out_value(p, d, ad[2 * j + (e & 1)], (e & 2) ? wb : wa, (e & 2) ? bb : ba);
   }
 };
 
@@ -1837,18 +1842,18 @@ __device__ __forceinline__ void wide_consume(const Params& p, const unsigned cha
   }
 }
 
-// The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global
-// stores are row segments of y instead of 2-byte elements 4 rows apart, with little code: each
-// thread's raw sums go into a float32 tile [rows][128] (pitch 528 bytes: conflict-free), then a
-// rolled loop over 8-column row segments applies the epilogue (OutScales::apply's operations in
-// its order: the same bits) and stores 16 bytes (32 of float32). A thread's segments share their
-// columns, so it loads their weight decode scales and bias once, and the tile's activation decode
-// scales go through shared memory (one load per thread), all before the first barrier: one memory
-// latency in all. (BN / 2 unrolled copies of the arithmetic per output type, store_out's way, made
-// the wide kernels' code ~150 KB, cold in the instruction cache after the main loop.) PASSES = 2:
-// the tile in two halves of BN / 2 rows (stream-K's own tile region). For a y with unit column
-// stride and 16-byte aligned rows, else store_out. Called by both consumer warpgroups once no
-// other reader of `smem` (the tile) is left: the ring's, or stream-K's tile region.
+// The CTA's outputs (128 weight rows x BN batch rows) through shared memory, so that global stores
+// are row segments of y instead of 2-byte elements 4 rows apart, with little code: each thread's
+// raw sums go into a float32 tile [rows][128] (pitch 528 bytes: conflict-free), then a rolled loop
+// over 8-column row segments applies the epilogue (out_value, as store_out does: the same bits) and
+// stores 16 bytes (32 of float32). A thread's segments share their columns, so it loads their
+// weight decode scales and bias once, and the tile's activation decode scales go through shared
+// memory (one load per thread), all before the first barrier: one memory latency in all. (BN / 2
+// unrolled copies of the arithmetic per output type, store_out's way, made the wide kernels' code
+// ~150 KB, cold in the instruction cache after the main loop.) PASSES = 2: the tile in two halves
+// of BN / 2 rows (stream-K's own tile region). For a y with unit column stride and 16-byte aligned
+// rows, else store_out. Called by both consumer warpgroups once no other reader of `smem` (the
+// tile) is left: the ring's, or stream-K's tile region.
 template <int BN, int PASSES>
 __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
                                            unsigned char* smem, int n0, int m0, int wg, int tid) {
@@ -1891,13 +1896,7 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
       const float* src = (const float*)(smem + r * PITCH) + 8 * (ctid & 15);
       float v[8];
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        float x = __fmul_rn(src[c], 16384.0f);
-        x = __fmul_rn(x, a);
-        x = __fmul_rn(x, wd[c]);
-        if (p.bias) x = __fadd_rn(x, bs[c]);
-        v[c] = x;
-      }
+      for (int c = 0; c < 8; ++c) v[c] = out_value(p, src[c], a, wd[c], bs[c]);
       char* row = (char*)p.y + ((long long)m * p.stride_ym + n) * esize;
       const int valid = min(8, p.N - n);  // the last columns of y: element by element
       if (f32) {
