@@ -2,18 +2,24 @@
 
     PYTHONPATH=$PWD python benchmarks/wide_plans.py [--shapes fit,holdout,short-k,small]
                                                     [--ms 32,64,128,256]
-                                                    [--out DIR]
+                                                    [--out DIR] [--cluster-fold-ab]
 
 For each weight shape and batch size, ``w4a4_linear``'s CUDA path (the activation quantized into
 its image, then the GEMM: ``w4a4_gemm_cuda.gemm_rows``) runs under every plan of the image-reading
 families: the register-A wide kernel at batch tiles 32 / 64 / 128, unsplit, K split through the
-workspace into every count whose grid fits one wave, and K split over two-CTA clusters; the
+workspace into every count whose grid fits one wave (and each such split folded by cluster where
+its tiles fit one wave of clusters), and K split over two-CTA clusters; the
 warp-specialized kernel's tiles; the mid-M kernel's; and the default plan where it is none of
 these (the streamed kernel at M <= 16). Every plan's output is checked bitwise
 against the first one's (the contract: one accumulation order), then timed by CUDA-graph replay
 over enough weight copies to leave L2 (at least 160 MB). Prints per point the default plan's
 time, the fastest plan and the ratio default / fastest, with cuBLAS BF16 and ``w4a4_linear`` in
 the same run; writes ``wide_plans.json`` to ``--out``.
+
+``--cluster-fold-ab``: instead, at every point where the default plan with the device's cluster
+slots (``w4a4_gemm_cuda.cluster_slots``: the workspace split folded by a cluster, ``wide_cf``)
+differs from the one without, both plans: bits compared, timed alternately (three rounds,
+medians), the ratio old / new printed.
 """
 
 from __future__ import annotations
@@ -101,10 +107,11 @@ SHAPES = {
 }
 
 
-def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
+def candidate_plans(m: int, n: int, k: int, sms: int, slots: tuple[int, ...] = ()) -> list[cu.Plan]:
     """Every image-reading plan for an M x N x K GEMM: wide (tiles up to twice M, 32 always;
-    unsplit, workspace splits within one wave, the two-CTA cluster where its grid fits one wave,
-    stream-K where the tiles outnumber the SMs), warp-specialized, mid-M."""
+    unsplit, workspace splits within one wave and each folded by cluster where its tiles fit one
+    wave of clusters (``slots``, ``w4a4_gemm_cuda.cluster_slots``), the two-CTA cluster where its
+    grid fits one wave, stream-K where the tiles outnumber the SMs), warp-specialized, mid-M."""
     n_folds = triton.cdiv(k, cu.FOLD)
     plans = set()
     for b in (32, 64, 128):
@@ -113,7 +120,8 @@ def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
         ctas = triton.cdiv(m, b) * triton.cdiv(n, cu.WIDE_ROWS)
         for s in range(1, n_folds + 1):
             if s == 1 or ctas * s <= sms:
-                plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=s, cluster=False))
+                how = cu.wide_plan(m, n, k, sms, block_m=b, splits=s, cluster=False)
+                plans.update((how, how and cu.cluster_folded(how, m, n, slots)))
         if n_folds >= 2 and 2 * ctas <= sms:
             plans.add(cu.wide_plan(m, n, k, sms, block_m=b, splits=2, cluster=True))
         plans.add(cu.wide_plan(m, n, k, sms, block_m=b, stream_k=True))  # None: one wave
@@ -125,9 +133,11 @@ def candidate_plans(m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
     return sorted(plans)
 
 
-def _plans_with(default: cu.Plan, m: int, n: int, k: int, sms: int) -> list[cu.Plan]:
+def _plans_with(
+    default: cu.Plan, m: int, n: int, k: int, sms: int, slots: tuple[int, ...]
+) -> list[cu.Plan]:
     """:func:`candidate_plans`, the default plan first (timed even when it is none of them)."""
-    return [default] + [p for p in candidate_plans(m, n, k, sms) if p != default]
+    return [default] + [p for p in candidate_plans(m, n, k, sms, slots) if p != default]
 
 
 def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -> dict:
@@ -147,7 +157,7 @@ def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -
         "plans": {},
     }  # fmt: skip
     first = first_plan = None
-    for how in _plans_with(default, m, n, k, sms):
+    for how in _plans_with(default, m, n, k, sms, cu.cluster_slots(torch.device("cuda"))):
         cu.gemm_rows(x, weights[0], None, y, how)
         if first is None:
             first, first_plan = y.clone(), how
@@ -159,12 +169,89 @@ def bench_point(name: str, n: int, k: int, m: int, weights: list, dense: list) -
     return row
 
 
+def _ab_point(name: str, x: torch.Tensor, weights: list, old: cu.Plan, new: cu.Plan) -> dict | None:
+    """One point of :func:`cluster_fold_ab` (None where the dispatch does not take ``new``): same
+    bits as ``old``, both timed alternately (three rounds, medians)."""
+    m, n = x.shape[0], weights[0].rows
+    if cu.rows_plan(x, weights[0], torch.bfloat16) != new:
+        print(f"{name} M={m}: skipped, the dispatch does not take {_short(new)}", flush=True)
+        return None
+    ys = {how: torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for how in (old, new)}
+    for how, y in ys.items():
+        cu.gemm_rows(x, weights[0], None, y, how)
+    if not torch.equal(ys[old].view(torch.int16), ys[new].view(torch.int16)):
+        raise AssertionError(f"{name} M={m}: {new} differs bitwise from {old}")
+    times: dict[cu.Plan, list[float]] = {old: [], new: []}
+    for _ in range(3):
+        for how, y in ys.items():
+            run = [lambda w=w, how=how, y=y: cu.gemm_rows(x, w, None, y, how) for w in weights]
+            times[how].append(bench_us(lambda run=run: [f() for f in run], calls=len(weights)))
+    t_old, t_new = (sorted(times[how])[1] for how in (old, new))
+    return {
+        "shape": name, "n": n, "k": x.shape[1], "m": m,
+        "without": _short(old), "without_us": t_old, "with": _short(new), "with_us": t_new,
+    }  # fmt: skip
+
+
+def cluster_fold_ab(groups: list[str], ms: list[int]) -> list[dict]:
+    """The default plan against the one it replaces without cluster slots, where they differ."""
+    device = torch.device("cuda")
+    sms, slots = cu._sms(device), cu.cluster_slots(device)
+    print(f"cluster slots (2..8 CTAs): {slots}")
+    print("| shape | M | without | us | with | us | without / with |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for group in groups:
+        for name, (n, k) in SHAPES[group].items():
+            pairs = {}
+            for m in ms:
+                old = cu.plan(m, n, k, sms, ws=True, wide=True)
+                new = cu.plan(m, n, k, sms, ws=True, wide=True, clusters=slots)
+                if old != new:
+                    pairs[m] = (old, new)
+            if not pairs:
+                continue
+            copies = min(64, max(4, math.ceil(160e6 / (n * k * 0.5625))))
+            g = torch.Generator(device="cuda").manual_seed(n + k)
+            weights = [
+                quantize_nvfp4(
+                    torch.randn(n, k, device="cuda", generator=g).bfloat16(),
+                    amax="tensor",
+                    block_2d=True,
+                )
+                for _ in range(copies)
+            ]
+            for m, (old, new) in pairs.items():
+                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+                row = _ab_point(name, x, weights, old, new)
+                if row is None:
+                    continue
+                rows.append(row)
+                print(
+                    f"| {name} | {m} | {row['without']} | {row['without_us']:.2f} | "
+                    f"{row['with']} | {row['with_us']:.2f} | "
+                    f"{row['without_us'] / row['with_us']:.3f} |",
+                    flush=True,
+                )
+            del weights
+            torch.cuda.empty_cache()
+    ratios = [r["without_us"] / r["with_us"] for r in rows]
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(
+            f"\n{torch.cuda.get_device_name()}: {len(rows)} points, without / with: geometric "
+            f"mean {geo:.4f}, {min(ratios):.3f}-{max(ratios):.3f}"
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     groups = ", ".join(SHAPES)
     parser.add_argument("--shapes", default="fit,holdout", help=f"comma list of: {groups}")
     parser.add_argument("--ms", default="32,48,64,96,128,192,256")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cluster-fold-ab", action="store_true")
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     unknown = set(args.shapes.split(",")) - set(SHAPES)
@@ -175,6 +262,12 @@ def main() -> int:
     if not torch.cuda.is_available() or not cu.available(torch.device("cuda")):
         print("needs a GPU the CUDA C++ kernels serve (Hopper)", file=sys.stderr)
         return 1
+    if args.cluster_fold_ab:
+        rows = cluster_fold_ab(args.shapes.split(","), ms)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            Path(args.out, "cluster_fold_ab.json").write_text(json.dumps(rows, indent=1))
+        return 0
     rows = []
     print("| shape | M | cuBLAS us | w4a4_linear us | default plan us | fastest plan us | "
           "default / fastest | default plan | fastest plan |")  # fmt: skip

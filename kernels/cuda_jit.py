@@ -29,6 +29,7 @@ import torch
 CUDA_KERNELS_ENV = "MINITE_CUDA_KERNELS"
 _OPTIONS = ("--fmad=false", "-std=c++17")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -160,6 +161,7 @@ class _Driver:
             ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
         self.lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+        self.lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.c_void_p] * 3
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -188,39 +190,81 @@ class Kernel:
         self.function = function
         self.max_smem = 48 << 10
 
-    def launch(
-        self, grid: tuple[int, int, int], block: int, smem: int, args, device, pdl: bool = False
-    ) -> None:
-        """Launch on torch's current stream. ``pdl``: programmatic dependent launch, so the grid
-        may start while the previous kernel on the stream still runs (the kernel must execute
-        ``griddepcontrol.wait`` before it reads anything that kernel writes)."""
-        drv = _driver()
+    def _allow_smem(self, smem: int) -> None:
         if smem > self.max_smem:
-            drv.check(
-                drv.lib.cuFuncSetAttribute(
+            _driver().check(
+                _driver().lib.cuFuncSetAttribute(
                     self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
                 ),
                 "raising the kernel's shared-memory limit",
             )
             self.max_smem = smem
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: int,
+        smem: int,
+        args,
+        device,
+        pdl: bool = False,
+        cluster_z: int = 1,
+    ) -> None:
+        """Launch on torch's current stream. ``pdl``: programmatic dependent launch, so the grid
+        may start while the previous kernel on the stream still runs (the kernel must execute
+        ``griddepcontrol.wait`` before it reads anything that kernel writes). ``cluster_z``:
+        thread-block clusters of that many CTAs along the grid's z (a kernel compiled without
+        cluster dimensions; at most 8, dividing ``grid[2]``)."""
+        drv = _driver()
+        self._allow_smem(smem)
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                return self.launch(grid, block, smem, args, device, pdl)
+                return self.launch(grid, block, smem, args, device, pdl, cluster_z)
         stream = torch.cuda.current_stream(device).cuda_stream
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
-        if not pdl:
+        if not pdl and cluster_z == 1:
             status = drv.lib.cuLaunchKernel(
                 self.function, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, params, None
             )
             return drv.check(status, "kernel launch")
-        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
+        attrs = (_LaunchAttribute * 2)()
+        count = 0
+        if pdl:
+            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[count].value[0] = 1
+            count += 1
+        if cluster_z > 1:
+            if not (cluster_z <= 8 and grid[2] % cluster_z == 0):
+                raise ValueError(f"clusters of {cluster_z} CTAs along a grid z of {grid[2]}")
+            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = 1, 1, cluster_z
+            count += 1
         config = _LaunchConfig(
             (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
-            ctypes.pointer(attr), 1,
+            ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), count,
         )  # fmt: skip
         status = drv.lib.cuLaunchKernelEx(ctypes.byref(config), self.function, params, None)
-        drv.check(status, "kernel launch (programmatic dependent)")
+        drv.check(status, "kernel launch (programmatic dependent or clustered)")
+
+    def max_active_clusters(self, block: int, smem: int, cluster_z: int, device) -> int:
+        """How many clusters of ``cluster_z`` CTAs (``block`` threads, ``smem`` bytes of dynamic
+        shared memory each) the device holds at once (``cuOccupancyMaxActiveClusters``)."""
+        drv = _driver()
+        self._allow_smem(smem)
+        attrs = (_LaunchAttribute * 1)()
+        attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1, cluster_z
+        config = _LaunchConfig(
+            (ctypes.c_uint * 3)(1, 1, cluster_z), (ctypes.c_uint * 3)(block, 1, 1), smem, None,
+            ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), 1,
+        )  # fmt: skip
+        count = ctypes.c_int()
+        with torch.cuda.device(device):
+            status = drv.lib.cuOccupancyMaxActiveClusters(
+                ctypes.byref(count), self.function, ctypes.byref(config)
+            )
+        drv.check(status, "the occupancy of clusters")
+        return count.value
 
 
 _MODULES: dict[tuple[str, int, tuple[str, ...]], dict[str, Kernel]] = {}

@@ -122,7 +122,7 @@ _WIDE_ROW_BYTES = 96
 _WIDE_RING_BYTES = 204800
 #: The two-CTA-cluster wide kernel's ring and partial slots (``WideShape<BN, 2>``).
 _WIDE_C2_BYTES = 225280
-_WIDE = ("wide", "wide_c2", "wide_sk")
+_WIDE = ("wide", "wide_c2", "wide_sk", "wide_cf")
 #: The wide kernels' time model (H200, graph replay; fitted to 90 measured (shape, tile, split)
 #: points of seven shapes; the per-chunk costs of 64 and 128 refitted to 27 points after two
 #: chains in flight): per 128-element chunk of a CTA, per batch tile (us); the epilogue; with
@@ -189,8 +189,9 @@ class Plan(NamedTuple):
     producer warpgroups (wide M)."""
 
     # "small", "mid", "ws" / "wide" (wide M: shared / register A; "wide_c2": register A, K split
-    # over a two-CTA cluster; "wide_sk": register A, stream-K over ``splits`` CTAs), "stream"
-    # (small M)
+    # over a two-CTA cluster; "wide_sk": register A, stream-K over ``splits`` CTAs; "wide_cf":
+    # the "wide" kernel with its ``splits`` (2-8) CTAs of a tile launched as a cluster, which
+    # fold the tile's partials together, each its share of the batch rows), "stream" (small M)
     family: str
     block_m: int
     per_split: int
@@ -210,7 +211,8 @@ class Plan(NamedTuple):
             layout = "image_" if image else "unit_" if units else ""
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family in _WIDE:
-            return f"w4a4_{self.family}_n{self.block_m}{'_even_k' if even_k else ''}"
+            family = "wide" if self.family == "wide_cf" else self.family
+            return f"w4a4_{family}_n{self.block_m}{'_even_k' if even_k else ''}"
         if self.family == "small":
             shape = f"small_m{self.block_m}_s{self.splits}"
         elif self.family == "mid":
@@ -266,7 +268,7 @@ def _kernel_names() -> list[str]:
         for w in _STREAM_WARPGROUPS
         for units in (False, True)
     ]
-    wides = [Plan(f, b, 1, 1, 2) for b in _WIDE_BLOCK_MS for f in _WIDE]
+    wides = [Plan(f, b, 1, 1, 2) for b in _WIDE_BLOCK_MS for f in _WIDE if f != "wide_cf"]
     gemms += [p.kernel_name(e) for p in wides for e in (False, True)]
     gemms += [
         Plan("stream", _STREAM_IMAGE_BLOCK_M, 1, 1, w).kernel_name(True, True, image=True)
@@ -334,6 +336,30 @@ def preferred(
 def _sms(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _cluster_slots(index: int) -> tuple[int, ...]:
+    try:
+        kernels = cuda_jit.load("w4a4_gemm_sm90a.cu", _kernel_names(), torch.device("cuda", index))
+        return tuple(
+            min(
+                kernels[how.kernel_name(True)].max_active_clusters(
+                    how.threads(), how.smem(), size, index
+                )
+                for how in (Plan("wide_cf", b, 1, size, 2, 1) for b in _WIDE_BLOCK_MS)
+            )
+            for size in range(2, 9)
+        )
+    except cuda_jit.CudaJitError:  # the kernels do not load: no clustered plans
+        return ()
+
+
+def cluster_slots(device: torch.device) -> tuple[int, ...]:
+    """How many clusters of 2, 3, ..., 8 register-A wide-M CTAs ``device`` holds at once (its
+    GPCs' SMs decide: an H100 holds 66, 39, 30, 22, 17, 15, 15), the least over the batch tiles;
+    cached per device; () where the kernels or the query fail."""
+    return _cluster_slots(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def available(device: torch.device) -> bool:
@@ -456,7 +482,8 @@ def wide_us(
 ) -> float:
     """The register-A wide-M kernel's modelled time (us) for a plan (``_WIDE_CHUNK_US``);
     ``cluster``: K split over two-CTA clusters (``splits`` 2, one wave of CTAs) instead of over
-    CTAs that fold through a workspace."""
+    CTAs that fold through a workspace (``wide_cf`` as ``wide``: at most its time, see
+    :func:`cluster_folded`)."""
     tiles = _wide_tiles(m, n, block_m)
     n_folds = triton.cdiv(k, FOLD)
     t = triton.cdiv(tiles * splits, sms) * _wide_cta_chunks(k, splits, cluster)
@@ -552,7 +579,7 @@ def wide_plan(
 
 
 @functools.cache
-def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
+def _wide_default(m: int, n: int, k: int, sms: int, clusters: tuple[int, ...] = ()) -> Plan | None:
     """The wide kernel's plan where it is the default (16 < M <= :data:`WIDE_MAX_M`, or
     :data:`WIDE_SHORT_K_MAX_M` at K <= 1024, and
     8 < M <= 16 on small weights or K % 256 != 0, :func:`_image_low_m`; see
@@ -562,7 +589,23 @@ def _wide_default(m: int, n: int, k: int, sms: int) -> Plan | None:
     if not (SMALL_MAX_M < m <= max_m or _image_low_m(m, n, k)):
         return None
     how = wide_plan(m, n, k, sms)
-    return how if how is not None and _wide_wanted(m, n, k, sms, how) else None
+    if how is None or not _wide_wanted(m, n, k, sms, how):
+        return None
+    return cluster_folded(how, m, n, clusters)
+
+
+def cluster_folded(how: Plan, m: int, n: int, clusters: tuple[int, ...]) -> Plan:
+    """``how``, a workspace split of 2-8 CTAs per tile (``wide``) whose tiles fit one wave of
+    clusters (``clusters``: how many clusters of 2, 3, ..., 8 CTAs the device holds at once,
+    :func:`cluster_slots`), as the same split folded by cluster (``wide_cf``): each tile's CTAs
+    launched as one cluster, each folding its share of the tile's batch rows after one cluster
+    barrier, instead of the last CTA to count in folding them all. Same bits; on an H100, of 59
+    measured (shape, tile, split) points that fit one wave, 57 ran faster (up to 6.6 us), one
+    even, one 0.5 us slower; past one wave 1.39-1.56x slower (benchmarks/RESULTS.md, twenty-ninth
+    session). Any other plan is returned as it is."""
+    s = how.splits
+    fits = 2 <= s <= 1 + len(clusters) and _wide_tiles(m, n, how.block_m) <= clusters[s - 2]
+    return how._replace(family="wide_cf") if how.family == "wide" and fits else how
 
 
 def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
@@ -583,11 +626,13 @@ def _wide_wanted(m: int, n: int, k: int, sms: int, how: Plan) -> bool:
     return _wide_plan_us(m, n, k, sms, how) <= ws_us
 
 
-def _wide_operands_default(m: int, n: int, k: int, sms: int) -> Plan | None:
+def _wide_operands_default(
+    m: int, n: int, k: int, sms: int, clusters: tuple[int, ...] = ()
+) -> Plan | None:
     """The default plan where the register-A wide kernel can read the operands: the mid-M
     kernel's at two fold chunks (:func:`_mid_default`), else the wide kernel's where it is the
     default (:func:`_wide_default`), else None."""
-    return _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms)
+    return _mid_default(m, n, k, sms) or _wide_default(m, n, k, sms, clusters)
 
 
 def _image_low_m(m: int, n: int, k: int) -> bool:
@@ -809,17 +854,19 @@ def plan(
     ws: bool = True,
     stream: bool = False,
     wide: bool = False,
+    clusters: tuple[int, ...] = (),
 ) -> Plan | None:
     """How an M x N x K GEMM runs on ``sms`` SMs (``splits`` / ``warpgroups`` force the cluster
     size / the warpgroups per CTA of the small- / mid-M kernels: probes, tests; ``ws`` /
     ``stream`` / ``wide``: the warp-specialized wide-M / streamed / register-A wide-M kernel
-    can read the operands, see :func:`ws_fits`, :func:`stream_fits` and :func:`wide_fits`);
+    can read the operands, see :func:`ws_fits`, :func:`stream_fits` and :func:`wide_fits`;
+    ``clusters``: the device's cluster slots, :func:`cluster_slots`, see :func:`cluster_folded`);
     None when the kernels cannot serve it (M too large, K too long for a cluster's shared
     memory)."""
     if stream and splits is None and warpgroups is None and _stream_wanted(m, n, k):
         return stream_plan(m, n, k, sms)
     if wide and splits is None and warpgroups is None:
-        how = _wide_operands_default(m, n, k, sms)
+        how = _wide_operands_default(m, n, k, sms, clusters)
         if how is not None:
             return how
     ws_ok = splits is None and warpgroups is None and ws and k % 32 == 0
@@ -869,7 +916,9 @@ def gemm(
     codes and scales (same bits)."""
     m, n, k = a.rows, w.rows, a.cols
     fits, streamed, wide = ws_fits(w), stream_fits(a, w), wide_fits(a, w)
-    how = how or plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide)
+    if how is None:
+        slots = cluster_slots(a.codes.device)
+        how = plan(m, n, k, sms, splits, warpgroups, fits, streamed, wide, slots)
     if how is None:
         raise ValueError(
             f"the CUDA C++ GEMM cannot serve {m}x{n}x{k} with splits={splits}, "
@@ -886,6 +935,11 @@ def gemm(
         raise ValueError(
             f"the register-A wide-M CUDA C++ GEMM cannot serve {m}x{n}x{k}: it needs K % 16 == 0 "
             "and 8-byte aligned rows of codes"
+        )
+    if how.family == "wide_cf" and not 2 <= how.splits <= min(8, triton.cdiv(k, FOLD)):
+        raise ValueError(
+            "the cluster-fold wide-M CUDA C++ GEMM splits K into 2..8 clustered CTAs of at least "
+            f"one fold chunk each, got {how.splits} for K = {k}"
         )
     if how.family == "wide_sk":
         tiles = _wide_tiles(m, n, how.block_m)
@@ -942,7 +996,7 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     ws, wide = ws_fits(w), _wide_weight_fits(m, w)  # the image families (not streamed)
     if not _chosen(m, w, x.device, ws, False, wide):
         return None
-    how = plan(m, w.rows, k, _sms(x.device), ws=ws, wide=wide)
+    how = plan(m, w.rows, k, _sms(x.device), ws=ws, wide=wide, clusters=cluster_slots(x.device))
     return how if how is not None and how.family in _IMAGE_FAMILIES else None
 
 
@@ -1018,7 +1072,7 @@ def _launch(
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
     image = partials = counters = None
-    if (how.family == "wide" and how.splits > 1) or how.family == "wide_sk":
+    if (how.family in ("wide", "wide_cf") and how.splits > 1) or how.family == "wide_sk":
         # 256 threads x BM / 2 floats per (tile, fold chunk) of a split, per tile for stream-K's
         # prefixes (its counters are the tiles' flags)
         slots = 1 if how.family == "wide_sk" else triton.cdiv(k, FOLD)
@@ -1073,4 +1127,5 @@ def _launch(
     kernel = kernels[how.kernel_name(even, w_units is not None, act.scales is None)]
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
-    kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True)
+    cluster_z = how.splits if how.family == "wide_cf" else 1
+    kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True, cluster_z=cluster_z)

@@ -295,16 +295,17 @@ __device__ __forceinline__ unsigned short out16(const Params& p, float v) {
   return h;
 }
 
-template <int BM>
+// The outputs from the accumulator's layout; RANGE: only those of batch rows m0 + [r_lo, r_hi).
+template <int BM, bool RANGE = false>
 __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, int n_base, int m0,
-                                          int g, int t) {
+                                          int g, int t, int r_lo = 0, int r_hi = BM) {
   const OutScales<BM> sc(p, n_base, m0, g, t);
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) {
     const int j = i / 4, e = i % 4;
     const int n = n_base + g + ((e & 2) ? 8 : 0);
-    const int m = m0 + 8 * j + 2 * t + (e & 1);
-    if (n >= p.N || m >= p.M) continue;
+    const int r = 8 * j + 2 * t + (e & 1), m = m0 + r;
+    if (n >= p.N || m >= p.M || (RANGE && (r < r_lo || r >= r_hi))) continue;
     const float v = sc.apply(p, acc.d[i], i);
     char* out = (char*)p.y;
     const long long off = (long long)m * p.stride_ym + (long long)n * p.stride_yn;
@@ -1707,6 +1708,11 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
                    : "memory");
 }
+__device__ __forceinline__ u32 cluster_ctas() {
+  u32 n;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+}
 
 // The second CTA of a cluster pair hands its k-th partial (fold chunk 2k + 1) to the first: each
 // consumer warp stores its piece into its own slot k % SLOTS (once the first has read that slot's
@@ -1851,17 +1857,20 @@ __device__ __forceinline__ void wide_consume(const Params& p, const unsigned cha
 // memory (one load per thread), all before the first barrier: one memory latency in all. (BN / 2
 // unrolled copies of the arithmetic per output type, store_out's way, made the wide kernels' code
 // ~150 KB, cold in the instruction cache after the main loop.) PASSES = 2: the tile in two halves
-// of BN / 2 rows (stream-K's own tile region). For a y with unit column stride and 16-byte aligned
-// rows, else store_out. Called by both consumer warpgroups once no other reader of `smem` (the
+// of BN / 2 rows (stream-K's own tile region). RANGE: the tile's rows [r_lo, r_hi) only (a
+// cluster split's share). For a y with unit column stride and 16-byte aligned rows, else
+// store_out. Called by both consumer warpgroups once no other reader of `smem` (the
 // tile) is left: the ring's, or stream-K's tile region.
-template <int BN, int PASSES>
+template <int BN, int PASSES, bool RANGE = false>
 __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
-                                           unsigned char* smem, int n0, int m0, int wg, int tid) {
+                                           unsigned char* smem, int n0, int m0, int wg, int tid,
+                                           int r_lo = 0, int r_hi = BN) {
+  static_assert(PASSES == 1 || !RANGE, "a row range in one pass only");
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const bool f32 = p.out_kind == 2;
   const int esize = f32 ? 4 : 2;
   if (p.stride_yn != 1 || ((unsigned long long)p.y & 15) != 0 || (p.stride_ym * esize) % 16 != 0) {
-    store_out<BN>(p, acc, n0 + 64 * wg + 16 * warp, m0, g, t);
+    store_out<BN, RANGE>(p, acc, n0 + 64 * wg + 16 * warp, m0, g, t, r_lo, r_hi);
     return;
   }
   constexpr int PITCH = 528, TILE_M = BN / PASSES, ELEMS = BN / 2 / PASSES;
@@ -1889,7 +1898,7 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
     asm volatile("bar.sync 1, 256;" ::: "memory");
     if (n >= p.N) continue;
 #pragma unroll 1
-    for (int r = ctid >> 4; r < TILE_M; r += 16) {
+    for (int r = (RANGE ? r_lo : 0) + (ctid >> 4); r < (RANGE ? r_hi : TILE_M); r += 16) {
       const int m = m0 + pass * TILE_M + r;
       if (m >= p.M) break;
       const float a = ads[pass * TILE_M + r];
@@ -1918,6 +1927,43 @@ __device__ __forceinline__ void wide_store(const Params& p, const Acc<BN>& acc,
         }
       }
     }
+  }
+}
+
+// A split tile's fold (CL = 1): split 0's prefix (its partial slot 0), then the later splits'
+// fold chunks [f_later, n_folds) added in order, FL partials in flight; for this thread's float4
+// groups [e0, e1) of the tile only (the batch rows 8 e0 to 8 e1).
+template <int BN>
+__device__ __forceinline__ void wide_fold_partials(Acc<BN>& acc, const float4* slots, int f_later,
+                                                   int n_folds, int e0, int e1) {
+#pragma unroll
+  for (int e = 0; e < BN / 8; ++e)
+    if (e >= e0 && e < e1) {
+      const float4 v = __ldcg(slots + e * 256);
+      acc.d[4 * e] = v.x; acc.d[4 * e + 1] = v.y; acc.d[4 * e + 2] = v.z; acc.d[4 * e + 3] = v.w;
+    }
+  constexpr int FL = BN >= 128 ? 1 : 128 / BN;
+  for (int fa = f_later; fa < n_folds; fa += FL) {
+    float4 v[FL][BN / 8];
+#pragma unroll
+    for (int c = 0; c < FL; ++c)
+      if (fa + c < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BN / 8; ++e)
+          if (e >= e0 && e < e1) v[c][e] = __ldcg(slots + ((fa + c) * (BN / 8) + e) * 256);
+      }
+#pragma unroll
+    for (int c = 0; c < FL; ++c)
+      if (fa + c < n_folds) {
+#pragma unroll
+        for (int e = 0; e < BN / 8; ++e)
+          if (e >= e0 && e < e1) {
+            acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v[c][e].x);
+            acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v[c][e].y);
+            acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v[c][e].z);
+            acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v[c][e].w);
+          }
+      }
   }
 }
 
@@ -1960,7 +2006,9 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     wide_produce<BN, CL, EVEN>(p, base, bars, n0, blockIdx.x, q, 0, true, tid);
-    if (CL == 2) cluster_sync();  // neither CTA leaves while the other may reach its barriers
+    // CL = 2: neither CTA leaves while the other may reach its barriers; a split launched as a
+    // cluster: the consumers' barrier before the fold counts every thread
+    if (CL == 2 || cluster_ctas() > 1) cluster_sync();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
@@ -2000,49 +2048,34 @@ __device__ __forceinline__ void gemm_wide(const Params& p) {
       slots[e * 256] =
           make_float4(acc.d[4 * e], acc.d[4 * e + 1], acc.d[4 * e + 2], acc.d[4 * e + 3]);
   }
-  // count this CTA's arrival (the barrier orders both warpgroups' partial stores before thread
-  // 0's fence, which makes them visible GPU-wide before the atomic); the last CTA folds
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const int done = atomicAdd(p.counters + tile, 1) + 1 == splits;
-    if (done) __threadfence();  // acquire: the other CTAs' partials before the fold's loads
-    *last = done;
+  // the fold: of the whole tile by its last CTA, or (the tile's splits launched as a cluster) of
+  // split z's share of its batch rows, the float4 groups [e0, e1) (rows 8 e0 to 8 e1), by every
+  // split at once once the cluster barrier has released all partials to the cluster
+  const bool shared_fold = cluster_ctas() > 1;
+  int e0 = 0, e1 = BN / 8;
+  if (shared_fold) {
+    cluster_sync();
+    e0 = z * (BN / 8) / splits;
+    e1 = (z + 1) * (BN / 8) / splits;
+  } else {
+    // count this CTA's arrival (the barrier orders both warpgroups' partial stores before thread
+    // 0's fence, which makes them visible GPU-wide before the atomic); the last CTA folds
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const int done = atomicAdd(p.counters + tile, 1) + 1 == splits;
+      if (done) __threadfence();  // acquire: the other CTAs' partials before the fold's loads
+      *last = done;
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (!*last) {
+      PHASE_TIME(3);
+      return;
+    }
   }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  if (!*last) {
-    PHASE_TIME(3);
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < BN / 8; ++e) {
-    const float4 v = __ldcg(slots + e * 256);
-    acc.d[4 * e] = v.x; acc.d[4 * e + 1] = v.y; acc.d[4 * e + 2] = v.z; acc.d[4 * e + 3] = v.w;
-  }
-  // the later splits' fold chunks (split 0 held [0, F / S)), FL partials in flight, added in order
-  constexpr int FL = BN >= 128 ? 1 : 128 / BN;
-  for (int fa = n_folds / splits; fa < n_folds; fa += FL) {
-    float4 v[FL][BN / 8];
-#pragma unroll
-    for (int c = 0; c < FL; ++c)
-      if (fa + c < n_folds) {
-#pragma unroll
-        for (int e = 0; e < BN / 8; ++e) v[c][e] = __ldcg(slots + ((fa + c) * (BN / 8) + e) * 256);
-      }
-#pragma unroll
-    for (int c = 0; c < FL; ++c)
-      if (fa + c < n_folds) {
-#pragma unroll
-        for (int e = 0; e < BN / 8; ++e) {
-          acc.d[4 * e] = __fadd_rn(acc.d[4 * e], v[c][e].x);
-          acc.d[4 * e + 1] = __fadd_rn(acc.d[4 * e + 1], v[c][e].y);
-          acc.d[4 * e + 2] = __fadd_rn(acc.d[4 * e + 2], v[c][e].z);
-          acc.d[4 * e + 3] = __fadd_rn(acc.d[4 * e + 3], v[c][e].w);
-        }
-      }
-  }
-  wide_store<BN, 1>(p, acc, smem, n0, m0, wg, tid);
-  if (threadIdx.x == 0) p.counters[tile] = 0;
+  wide_fold_partials<BN>(acc, slots, n_folds / splits, n_folds, e0, e1);
+  wide_store<BN, 1, true>(p, acc, smem, n0, m0, wg, tid, 8 * e0, 8 * e1);
+  if (!shared_fold && threadIdx.x == 0) p.counters[tile] = 0;
   PHASE_TIME(3);
 }
 

@@ -295,6 +295,20 @@ def test_wide_kernel_plans() -> None:
     assert wide_plan(64, 8192, 8192, 132, 64, 17) is None  # more splits than fold chunks
     assert wide_plan(64, 8192, 8192 + 64, 132) == ("wide_c2", 64, 9, 2, 2, 1)
     assert wide_plan(64, 8192, 8192 + 8, 132) is None  # K % 16 != 0
+    # a workspace split folds by cluster where its tiles fit one wave of clusters of its size
+    # (an H100's slots for 2..8 CTAs); other plans, and splits past one wave, stay as they are
+    slots, folded = (66, 39, 30, 22, 17, 15, 15), w4a4_gemm_cuda.cluster_folded
+    split = wide_plan(64, 3584, 18944, 132)
+    assert split == ("wide", 64, 10, 4, 2, 1)  # 28 tiles of 4 CTAs: 30 clusters fit
+    assert folded(split, 64, 3584, slots) == ("wide_cf", 64, 10, 4, 2, 1)
+    assert plan(64, 3584, 18944, 132, wide=True, clusters=slots).family == "wide_cf"
+    assert plan(64, 3584, 18944, 132, wide=True).family == "wide"  # no slots known
+    assert folded(split, 64, 3840, slots).family == "wide_cf"  # 30 tiles: the 30 slots
+    assert folded(split, 64, 3968, slots) == split  # 31 tiles: past one wave of clusters
+    assert folded(split, 64, 3584, slots[:2]) == split  # no slot count for 4-CTA clusters
+    for how in (wide_plan(64, 8192, 8192, 132), wide_plan(17, 8192, 8192, 132)):
+        assert how.family != "wide" or how.splits == 1
+        assert folded(how, 64, 8192, slots) == how
     # the most chunks one CTA runs, as the kernel deals fold chunks (the last one short at
     # K % 512 != 0): 4112 = 8 fold chunks + 16 elements, split 4 ways as 2, 2, 2, 3
     chunks = w4a4_gemm_cuda._wide_cta_chunks

@@ -573,6 +573,16 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
                     w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
                     where = (n, k, m, kind, block_m, "c2")
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+                    # the workspace split launched as clusters that fold the tile together, each
+                    # CTA its share of the batch rows (uneven shares, some empty at 8 splits)
+                    for splits in sorted({2, 3, min(folds, 8)} & set(range(2, folds + 1))):
+                        got = torch.full_like(want, float("nan"))
+                        how = w4a4_gemm_cuda.Plan(
+                            "wide_cf", block_m, -(-folds // splits), splits, 2, 1
+                        )
+                        w4a4_gemm_cuda.gemm(a, w, bias, got, 132, how=how)
+                        where = (n, k, m, kind, block_m, "cf", splits)
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
                 got = nvfp4_gemm_sm90(a, w, bias, out_dtype)  # the default dispatch
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, k, m)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
@@ -581,6 +591,40 @@ def test_wide_gemm_same_bits_as_triton(out_dtype: torch.dtype) -> None:
     w = quantize_nvfp4(_make("normal", 2048, 4096, 5).cuda(), amax="tensor", block_2d=True)
     _assert_graph_replays_same_bits(w, (20, 64, 200, 700), out_dtype)
     assert int(w4a4_gemm_cuda.split_counters(device).abs().sum()) == 0
+
+
+def test_cluster_folded_default_plans_same_bits() -> None:
+    """The device's cluster slots (clusters of 2..8 wide-M CTAs it holds at once) are sane; where
+    the default plan is a workspace split whose tiles fit one wave of them, the dispatch folds it
+    by cluster (``wide_cf``), from quantized operands and from BF16 rows (``w4a4_linear``'s
+    path), with the Triton decode GEMM's bits; elsewhere the plan is as without slots."""
+    from minite_kernels import quantized_rows_gemm
+    from minite_kernels import w4a4_gemm_cuda as cu
+    from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
+
+    device = torch.device("cuda")
+    sms, slots = cu._sms(device), cu.cluster_slots(device)
+    assert len(slots) == 7 and list(slots) == sorted(slots, reverse=True), slots
+    assert all(0 < count * size <= sms for size, count in enumerate(slots, 2)), slots
+    folded = 0
+    # Qwen3-4B down, Qwen2.5-7B down, Qwen3-30B-A3B qkv at TP = 4, 2048 x 4096
+    for n, k in ((2560, 9728), (3584, 18944), (1280, 2048), (2048, 4096)):
+        w = quantize_nvfp4(_make("heavy", n, k, n).cuda(), amax="tensor", block_2d=True)
+        bias = torch.randn(n, generator=_gen(k)).cuda().bfloat16()
+        for m in (17, 40, 64, 96):
+            unfolded = cu.plan(m, n, k, sms, ws=cu.ws_fits(w), wide=True)
+            how = cu.plan(m, n, k, sms, ws=cu.ws_fits(w), wide=True, clusters=slots)
+            assert how == cu.cluster_folded(unfolded, m, n, slots), (n, k, m)
+            folded += how.family == "wide_cf"
+            x = _as_dtype(_make("heavy", m, k, m + n).cuda(), torch.bfloat16)
+            a = quantize_nvfp4(x)
+            want = nvfp4_gemm_sm90(a, w, bias, torch.bfloat16, config=decode_config(m))
+            got = nvfp4_gemm_sm90(a, w, bias, torch.bfloat16)  # the default dispatch
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m)
+            assert cu.rows_plan(x, w, torch.bfloat16) == how, (n, k, m)
+            got = quantized_rows_gemm(x, w, bias, torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m, "rows")
+    assert folded >= 4  # e.g. 7B down at M = 40-64 (28 tiles of 4 CTAs) on 132-SM Hoppers
 
 
 def test_wide_gemm_any_k_same_bits_as_triton() -> None:
