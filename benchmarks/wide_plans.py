@@ -184,8 +184,12 @@ def _ab_point(name: str, x: torch.Tensor, weights: list, old: cu.Plan, new: cu.P
     times: dict[cu.Plan, list[float]] = {old: [], new: []}
     for _ in range(3):
         for how, y in ys.items():
-            run = [lambda w=w, how=how, y=y: cu.gemm_rows(x, w, None, y, how) for w in weights]
-            times[how].append(bench_us(lambda run=run: [f() for f in run], calls=len(weights)))
+            times[how].append(
+                bench_us(
+                    lambda how=how, y=y: [cu.gemm_rows(x, w, None, y, how) for w in weights],
+                    calls=len(weights),
+                )
+            )
     t_old, t_new = (sorted(times[how])[1] for how in (old, new))
     return {
         "shape": name, "n": n, "k": x.shape[1], "m": m,

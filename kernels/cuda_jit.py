@@ -39,6 +39,12 @@ class _LaunchAttribute(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
 
 
+def _cluster_attribute(attr: _LaunchAttribute, cluster_z: int) -> None:
+    """``attr`` as a cluster dimension of ``cluster_z`` CTAs along the grid's z."""
+    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = 1, 1, cluster_z
+
+
 class _LaunchConfig(ctypes.Structure):
     """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
 
@@ -192,8 +198,9 @@ class Kernel:
 
     def _allow_smem(self, smem: int) -> None:
         if smem > self.max_smem:
-            _driver().check(
-                _driver().lib.cuFuncSetAttribute(
+            drv = _driver()
+            drv.check(
+                drv.lib.cuFuncSetAttribute(
                     self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
                 ),
                 "raising the kernel's shared-memory limit",
@@ -236,8 +243,7 @@ class Kernel:
         if cluster_z > 1:
             if not (cluster_z <= 8 and grid[2] % cluster_z == 0):
                 raise ValueError(f"clusters of {cluster_z} CTAs along a grid z of {grid[2]}")
-            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = 1, 1, cluster_z
+            _cluster_attribute(attrs[count], cluster_z)
             count += 1
         config = _LaunchConfig(
             (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
@@ -252,8 +258,7 @@ class Kernel:
         drv = _driver()
         self._allow_smem(smem)
         attrs = (_LaunchAttribute * 1)()
-        attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1, cluster_z
+        _cluster_attribute(attrs[0], cluster_z)
         config = _LaunchConfig(
             (ctypes.c_uint * 3)(1, 1, cluster_z), (ctypes.c_uint * 3)(block, 1, 1), smem, None,
             ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), 1,
