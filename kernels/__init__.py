@@ -52,7 +52,8 @@ def nvfp4_gemm(a, w, bias=None, out_dtype: torch.dtype = torch.bfloat16) -> torc
 def quantized_rows_gemm(x: torch.Tensor, w, bias=None, out_dtype=torch.bfloat16):
     """``a @ w.T`` with ``a`` the per-row-amax NVFP4 quantization of BF16 rows ``x``, computed
     without materializing ``a`` where a kernel's activation pass quantizes (Hopper, 8 < M <=
-    256; see ``w4a4_gemm.quantized_rows_gemm_sm90``); None where none does. Bitwise equal to
+    256, and M = 1 at K <= 4096 on weights with their kernel layout; see
+    ``w4a4_gemm.quantized_rows_gemm_sm90``); None where none does. Bitwise equal to
     ``nvfp4_gemm(quantize(x), w, ...)``."""
     if kernel_arch(x.device) != "sm90":
         return None

@@ -571,7 +571,8 @@ def quantized_rows_gemm_sm90(
     ``x`` [M, K] where the CUDA C++ GEMM's activation pass quantizes them itself, one launch
     instead of the quantizer's and the image's (``w4a4_gemm_cuda.rows_plan``: 16 < M <= 256 on
     the register-A and warp-specialized wide-M and the mid-M kernels, 8 < M <= 16 on the streamed
-    kernel for a weight with its unit layout); None elsewhere, where the
+    kernel for a weight with its unit layout, and M = 1 at K <= 4096 on the streamed kernel,
+    which then quantizes the row itself); None elsewhere, where the
     caller quantizes and calls :func:`nvfp4_gemm_sm90`. The same bits either way."""
     if x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"W4A4 GEMM: x must be [M, {w.cols}], got {list(x.shape)}")

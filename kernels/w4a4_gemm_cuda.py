@@ -99,6 +99,14 @@ IMAGE_MIN_M = 8
 _STREAM_RING_BYTES = 200704
 #: The streamed kernel's batch tile that has an image-reading variant (w4a4_linear, 8 < M <= 16).
 _STREAM_IMAGE_BLOCK_M = 16
+#: The streamed kernel's rows variant (``w4a4_stream_rows_*``): the kernel quantizes BF16 rows
+#: itself (M <= 8), at most this many elements (M x K), into shared memory beside its ring
+#: (``STREAM_QROWS_MAX``, ``STREAM_QROWS_BYTES`` in the CUDA source). ``w4a4_linear`` takes it at
+#: M = 1 only: there it ran 0.99-1.17x the separate quantizer's two launches at K <= 4096 (five
+#: shapes), but 0.85-0.89x at K = 8192-17408 and 0.49-0.96x at M = 2-8 (each consumer thread
+#: quantizes its blocks one after another before the first unit; H100, benchmarks/RESULTS.md).
+STREAM_QUANT_MAX = 4096
+_STREAM_QUANT_BYTES = 3440
 #: Bytes of one unit in the streamed kernel's unit layout (:func:`unit_layout`).
 UNIT_BYTES = 18432
 #: Wide-M kernels with register A (``WIDE_KERNEL`` in the CUDA source): batch rows per CTA; 128
@@ -199,16 +207,18 @@ class Plan(NamedTuple):
     warpgroups: int = 1
     producers: int = 0
 
-    def kernel_name(self, even_k: bool, units: bool = False, image: bool = False) -> str:
+    def kernel_name(self, even_k: bool, units: bool = False, rows: bool = False) -> str:
         """The CUDA kernel's name (``even_k``: K % 128 == 0, and for the register-A wide kernels
         rows of codes and scales that 16- and 8-byte copies can read, :func:`_wide_even`; the
         streamed kernel has one variant per weight layout, ``units``: :func:`unit_layout`, its K
-        a multiple of 256, and with the unit layout one that reads the activation as a decoded
-        ``image``)."""
+        a multiple of 256, and with the unit layout ones given the activation as BF16 ``rows``:
+        at 16-row tiles reading the decoded image the launch before made of them, at 8-row tiles
+        quantizing them itself)."""
         if self.family == "stream":
-            if image and not units:
-                raise ValueError("the streamed kernel reads the activation image only beside units")
-            layout = "image_" if image else "unit_" if units else ""
+            if rows and not units:
+                raise ValueError("the streamed kernel reads BF16 rows only beside units")
+            kind = "image_" if self.block_m == _STREAM_IMAGE_BLOCK_M else "rows_"
+            layout = kind if rows else "unit_" if units else ""
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family in _WIDE:
             family = "wide" if self.family == "wide_cf" else self.family
@@ -226,15 +236,16 @@ class Plan(NamedTuple):
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
-    def smem(self) -> int:
-        """Dynamic shared memory per CTA (bytes)."""
+    def smem(self, rows: bool = False) -> int:
+        """Dynamic shared memory per CTA (bytes; ``rows`` as for :meth:`kernel_name`)."""
         if self.family == "small":
             return self.per_split * self.block_m * 1024
         if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
             # (the canonical layout's stage pads rows of codes to 288 bytes; the unit layout's is
-            # 2 KB smaller, as many stages fit)
+            # 2 KB smaller, as many stages fit); the rows variant's codes of the rows
             stage = ROWS * (288 + 32) + self.block_m * 1024
-            return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16
+            quant = _STREAM_QUANT_BYTES if rows and self.block_m != _STREAM_IMAGE_BLOCK_M else 0
+            return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16 + quant
         if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
             # a cluster's partial slots and their barriers; stream-K's 16-bit output tile
             # (WideShape)
@@ -271,7 +282,8 @@ def _kernel_names() -> list[str]:
     wides = [Plan(f, b, 1, 1, 2) for b in _WIDE_BLOCK_MS for f in _WIDE if f != "wide_cf"]
     gemms += [p.kernel_name(e) for p in wides for e in (False, True)]
     gemms += [
-        Plan("stream", _STREAM_IMAGE_BLOCK_M, 1, 1, w).kernel_name(True, True, image=True)
+        Plan("stream", b, 1, 1, w).kernel_name(True, True, rows=True)
+        for b in _STREAM_BLOCK_MS
         for w in _STREAM_WARPGROUPS
     ]
     image_ms = (_STREAM_IMAGE_BLOCK_M, *_MID_BLOCK_MS, *_WS_BLOCK_MS)
@@ -981,15 +993,14 @@ def rows_plan(x: torch.Tensor, w, out_dtype: torch.dtype) -> Plan | None:
     :func:`gemm_rows` serves it, ``x`` being BF16 [M, K] with 16-byte aligned rows: the GEMM the
     quantized ``x`` would get by default reads a decoded activation image
     (:data:`_IMAGE_FAMILIES`) and 8 < M <= :data:`ROWS_MAX_M` (M <= 16 only where
-    :func:`_image_low_m`), or it is the streamed kernel's 16-row plan
-    (8 < M <= 16) on a weight with its unit layout (:func:`_stream_rows_plan`); else None."""
+    :func:`_image_low_m`), or it is the streamed kernel's plan (M <= 16) on a weight with its
+    unit layout (:func:`_stream_rows_plan`); else None."""
     m, k = x.shape
-    # the streamed kernel's image variant has a 16-row tile only: smaller M quantizes separately
-    if not _STREAM_BLOCK_MS[0] < m <= ROWS_MAX_M or not _rows_operands_fit(x, w, out_dtype):
+    if not 0 < m <= ROWS_MAX_M or not _rows_operands_fit(x, w, out_dtype):
         return None
     if m <= SMALL_MAX_M:
         how = _stream_rows_plan(x, w)
-        if how is not None:
+        if how is not None or m <= _STREAM_BLOCK_MS[0]:
             return how
     if k % 16 or not _rows_8b(w.codes):
         return None
@@ -1013,15 +1024,18 @@ def _rows_operands_fit(x: torch.Tensor, w, out_dtype: torch.dtype) -> bool:
 
 
 def _stream_rows_plan(x: torch.Tensor, w) -> Plan | None:
-    """8 < M <= 16: the streamed kernel's plan (its 16-row tile) where :func:`gemm_rows` serves it,
-    on the unit layout. There the image pass plus the image read by bulk copy measured 1.01-1.11x
-    the quantizer plus the producer's own decode on six of seven shapes and 0.97-1.0x on
-    2048 x 4096. At M <= 8, 0.90-0.98x on five of seven: the 8-row image costs more L2 reads than
-    one row's codes (H200, benchmarks/NOTES_kernels.md)."""
+    """M <= 16: the streamed kernel's plan where :func:`gemm_rows` serves it, on the unit layout.
+    At 8 < M <= 16 (its 16-row tile) the image pass plus the image read by bulk copy measured
+    1.01-1.11x the quantizer plus the producer's own decode on six of seven shapes and 0.97-1.0x
+    on 2048 x 4096 (at M <= 8, 0.90-0.98x on five of seven: the 8-row image costs more L2 reads
+    than one row's codes; H200, benchmarks/NOTES_kernels.md). At M = 1 with K <=
+    :data:`STREAM_QUANT_MAX` the kernel quantizes the row itself (its rows variant): one launch,
+    the row's quantization beside the first weight stages."""
     m, k = x.shape
     layout = getattr(w, "kernel_layout", None)
     if (
         k % 256
+        or (m <= _STREAM_BLOCK_MS[0] and (m > 1 or k > STREAM_QUANT_MAX))
         or not isinstance(layout, UnitLayout)
         or layout.units_for(w.codes, w.scales) is None  # e.g. a row slice of the weight
         or not _stream_weight_fits(w)
@@ -1034,8 +1048,9 @@ def _stream_rows_plan(x: torch.Tensor, w) -> Plan | None:
 
 def gemm_rows(x: torch.Tensor, w, bias, y: torch.Tensor, how: Plan) -> None:
     """``y = quantize(x) @ w.T`` with the contract's epilogue for a :func:`rows_plan` plan: the
-    launch that makes the activation image quantizes the BF16 rows ``x`` itself (the same bits as
-    the contract's quantizer followed by :func:`gemm`; one launch fewer)."""
+    launch that makes the activation image quantizes the BF16 rows ``x`` itself, or at M = 1 the
+    streamed kernel does, before its first units (the same bits as the contract's quantizer
+    followed by :func:`gemm`; one launch fewer)."""
     m, k = x.shape
     dec = torch.empty(m, dtype=torch.float32, device=x.device)
     act = _Activation(x.view(torch.int32), None, dec, 1)
@@ -1071,6 +1086,8 @@ def _launch(
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
+    # the streamed kernel's rows variant quantizes the BF16 rows itself: no activation pass
+    quant = how.family == "stream" and how.block_m != _STREAM_IMAGE_BLOCK_M and act.scales is None
     image = partials = counters = None
     if (how.family in ("wide", "wide_cf") and how.splits > 1) or how.family == "wide_sk":
         # 256 threads x BM / 2 floats per (tile, fold chunk) of a split, per tile for stream-K's
@@ -1084,7 +1101,7 @@ def _launch(
         partials = torch.empty(size, dtype=torch.float32, device=device)
         counters = split_counters(device)
     pass_ctas = 0  # the activation pass (image families): its CTAs, then those padding w_scales
-    if act.scales is None or how.family in _IMAGE_FAMILIES:  # the activation decoded into its image
+    if (act.scales is None and not quant) or how.family in _IMAGE_FAMILIES:  # its decoded image
         size = m_tiles * a_chunks * how.block_m * 256
         image = torch.empty(size, dtype=torch.uint8, device=device)
         # BF16 rows (gemm_rows): one CTA per image row quantizes it; else a thread per code-word
@@ -1128,4 +1145,5 @@ def _launch(
     # programmatic dependent launch: the CTAs start and prefetch their first weight chunks into
     # L2 while the previous kernel (the activation's quantize or decode) finishes
     cluster_z = how.splits if how.family == "wide_cf" else 1
-    kernel.launch(grid, how.threads(), how.smem(), p, device, pdl=True, cluster_z=cluster_z)
+    smem = how.smem(rows=act.scales is None)
+    kernel.launch(grid, how.threads(), smem, p, device, pdl=True, cluster_z=cluster_z)

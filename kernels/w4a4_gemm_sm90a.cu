@@ -268,15 +268,20 @@ __device__ __forceinline__ float out_value(const Params& p, float d, float ad, f
 template <int BM>
 struct OutScales {
   float wa, wb, ba, bb, ad[BM / 4];
-  __device__ __forceinline__ OutScales(const Params& p, int n_base, int m0, int g, int t) {
+  // a_dec: the activation's decode scales where not p.a_dec (one per row, contiguous: the
+  // streamed kernel's own, in shared memory, where it quantizes the rows itself)
+  __device__ __forceinline__ OutScales(const Params& p, int n_base, int m0, int g, int t,
+                                       const float* a_dec = nullptr) {
     const int na = min(n_base + g, p.N - 1), nb = min(n_base + g + 8, p.N - 1);
     wa = p.w_dec[(long long)na * p.w_dec_stride];
     wb = p.w_dec[(long long)nb * p.w_dec_stride];
     ba = p.bias ? p.bias[na] : 0.f;
     bb = p.bias ? p.bias[nb] : 0.f;
+    const float* src = a_dec ? a_dec : p.a_dec;
+    const long long stride = a_dec ? 1 : p.a_dec_stride;
 #pragma unroll
     for (int h = 0; h < BM / 4; ++h)
-      ad[h] = p.a_dec[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * p.a_dec_stride];
+      ad[h] = src[(long long)min(m0 + 8 * (h / 2) + 2 * t + (h & 1), p.M - 1) * stride];
   }
   // Accumulator element i as an output (out_value).
   __device__ __forceinline__ float apply(const Params& p, float d, int i) const {
@@ -296,10 +301,12 @@ __device__ __forceinline__ unsigned short out16(const Params& p, float v) {
 }
 
 // The outputs from the accumulator's layout; RANGE: only those of batch rows m0 + [r_lo, r_hi).
+// a_dec: as OutScales.
 template <int BM, bool RANGE = false>
 __device__ __forceinline__ void store_out(const Params& p, const Acc<BM>& acc, int n_base, int m0,
-                                          int g, int t, int r_lo = 0, int r_hi = BM) {
-  const OutScales<BM> sc(p, n_base, m0, g, t);
+                                          int g, int t, int r_lo = 0, int r_hi = BM,
+                                          const float* a_dec = nullptr) {
+  const OutScales<BM> sc(p, n_base, m0, g, t, a_dec);
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) {
     const int j = i / 4, e = i % 4;
@@ -1043,6 +1050,72 @@ __device__ __forceinline__ u32 finite_mag(u32 half, u32& bad) {
   return m < 0x7F80u ? m : 0u;
 }
 
+// The largest finite magnitude of a 16-element block (v: its eight words of BF16 pairs) into
+// `big` (BF16 bits: integer order is magnitude order); `bad` set where one is NaN or Inf.
+__device__ __forceinline__ void block_max(const uint4 (&v)[2], u32& big, u32& bad) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) big = max(big, max(finite_mag(w[j], bad), finite_mag(w[j] >> 16, bad)));
+  }
+}
+
+// The largest finite magnitude and the NaN / Inf flag of a row's blocks first, first + step, ...
+// (x: the row's BF16 pairs, `blocks` 16-element blocks; none where not `live`), reduced over the
+// warp.
+__device__ __forceinline__ void warp_row_max(const uint4* x, int blocks, int first, int step,
+                                             bool live, u32& big, u32& bad) {
+  big = bad = 0;
+  for (int b = first; live && b < blocks; b += step) {
+    const uint4 v[2] = {x[2 * b], x[2 * b + 1]};
+    block_max(v, big, bad);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    big = max(big, __shfl_xor_sync(0xffffffffu, big, o));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+}
+
+// A row's global scales from its largest finite magnitude `big` (global_scales): S_enc =
+// min(2688 / amax, FLT_MAX), 1 where amax or it is 0; returns S_dec = 1 / S_enc and sets
+// enc6 = S_enc * float32(1/6), the block scales' factor.
+__device__ __forceinline__ float row_scales(u32 big, float& enc6) {
+  const float amax = __int_as_float((int)(big << 16));
+  float s_enc = fminf(__fdiv_rn(2688.f, amax), 3.4028234663852886e38f);
+  if (amax == 0.f || s_enc == 0.f) s_enc = 1.f;
+  enc6 = __fmul_rn(s_enc, 0.1666666716337204f);
+  return __fdiv_rn(1.f, s_enc);
+}
+
+// A 16-element block of BF16 elements (v: its eight words of pairs) quantized with its row's
+// scales (row_scales): its two code words (element e at nibble e % 8 of word e / 8) and its E4M3
+// scale byte (returned). NaN and Inf elements become 0.
+__device__ __forceinline__ u32 quantize_block(const uint4 (&v)[2], float s_dec, float enc6,
+                                              u32 (&cw)[2]) {
+  const u32 w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+  float f[16];
+  u32 bbig = 0, unused = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const u32 lo = finite_mag(w[j], unused), hi = finite_mag(w[j] >> 16, unused);
+    bbig = max(bbig, max(lo, hi));
+    f[2 * j] = lo ? __int_as_float((int)(w[j] << 16)) : 0.f;  // NaN / Inf -> 0
+    f[2 * j + 1] = hi ? __int_as_float((int)(w[j] & 0xFFFF0000u)) : 0.f;
+  }
+  // block scale (_block_scales): E4M3(min(bamax * (S_enc / 6), 448)), its encode factor
+  const u32 sb = e4m3_code(fminf(__fmul_rn(__int_as_float((int)(bbig << 16)), enc6), 448.f));
+  const float enc = fminf(__fdiv_rn(1.f, __fmul_rn(e4m3_value(sb), s_dec)), 3.4028234663852886e38f);
+  cw[0] = cw[1] = 0;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const float x = __fmul_rn(f[e], enc);
+    cw[e >> 3] |= (e2m1_code(fminf(fabsf(x), 6.f)) | (x < 0.f ? 8u : 0u)) << (4 * (e & 7));
+  }
+  return sb;
+}
+
 template <int BM>
 __device__ __forceinline__ void quantize_act_image(const Params& p) {
   wait_previous_kernel();                                          // x is the previous kernel's
@@ -1056,22 +1129,8 @@ __device__ __forceinline__ void quantize_act_image(const Params& p) {
   const bool live = row < p.M;
   const uint4* x = (const uint4*)(p.a_words + (long long)(live ? row : 0) * p.stride_aw);
   // pass 1: the largest finite magnitude (BF16 bits: integer order is magnitude order)
-  u32 big = 0, bad = 0;
-  for (int b = tid; live && b < blocks; b += QUANT_THREADS) {
-    const uint4 v[2] = {x[2 * b], x[2 * b + 1]};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        big = max(big, max(finite_mag(w[j], bad), finite_mag(w[j] >> 16, bad)));
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    big = max(big, __shfl_xor_sync(0xffffffffu, big, o));
-    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
-  }
+  u32 big, bad;
+  warp_row_max(x, blocks, tid, QUANT_THREADS, live, big, bad);
   if ((tid & 31) == 0) {
     red_big[tid >> 5] = big;
     red_bad[tid >> 5] = bad;
@@ -1082,39 +1141,17 @@ __device__ __forceinline__ void quantize_act_image(const Params& p) {
     big = max(big, red_big[i]);
     bad |= red_bad[i];
   }
-  // the global scales (global_scales): S_enc = min(2688 / amax, FLT_MAX), 1 where amax or it is 0
-  const float amax = __int_as_float((int)(big << 16));
-  float s_enc = fminf(__fdiv_rn(2688.f, amax), 3.4028234663852886e38f);
-  if (amax == 0.f || s_enc == 0.f) s_enc = 1.f;
-  const float s_dec = __fdiv_rn(1.f, s_enc);
+  float enc6;
+  const float s_dec = row_scales(big, enc6);
   if (live && tid == 0)  // the GEMM's a_dec, written here
     ((float*)p.a_dec)[(long long)row * p.a_dec_stride] = bad ? __int_as_float(0x7FC00000) : s_dec;
-  const float enc6 = __fmul_rn(s_enc, 0.1666666716337204f);  // S_enc * float32(1/6)
   unsigned char* tile = (unsigned char*)p.a_image + (long long)(row / BM) * p.a_chunks * (BM * 256);
   // pass 2: per 16-element block (chunk i / 8, code-word pair i % 8) its scale and codes
   for (int i = tid; i < p.a_chunks * 8; i += QUANT_THREADS) {
     u32 cw[2] = {0, 0}, sb = 0;
     if (live && i < blocks) {
       const uint4 v[2] = {x[2 * i], x[2 * i + 1]};
-      const u32 w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
-      float f[16];
-      u32 bbig = 0, unused = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const u32 lo = finite_mag(w[j], unused), hi = finite_mag(w[j] >> 16, unused);
-        bbig = max(bbig, max(lo, hi));
-        f[2 * j] = lo ? __int_as_float((int)(w[j] << 16)) : 0.f;     // NaN / Inf -> 0
-        f[2 * j + 1] = hi ? __int_as_float((int)(w[j] & 0xFFFF0000u)) : 0.f;
-      }
-      // block scale (_block_scales): E4M3(min(bamax * (S_enc / 6), 448)), its encode factor
-      sb = e4m3_code(fminf(__fmul_rn(__int_as_float((int)(bbig << 16)), enc6), 448.f));
-      const float enc =
-          fminf(__fdiv_rn(1.f, __fmul_rn(e4m3_value(sb), s_dec)), 3.4028234663852886e38f);
-#pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        const float s = __fmul_rn(f[e], enc);
-        cw[e >> 3] |= (e2m1_code(fminf(fabsf(s), 6.f)) | (s < 0.f ? 8u : 0u)) << (4 * (e & 7));
-      }
+      sb = quantize_block(v, s_dec, enc6, cw);
     }
     u32 o[8];
     decode_pair(cw[0], cw[1], sb, o);
@@ -1216,6 +1253,24 @@ __device__ __forceinline__ void cp_async_zfill(u32 dst, const void* src, int val
                  : "memory");
 }
 
+// The rows variant (QUANT, M <= 8 with M x K <= STREAM_QROWS_MAX): the CTA quantizes the BF16
+// rows itself, its consumers before their first unit, into an area after the ring's barriers:
+// the codes (K / 8 words per row), the scale bytes (K / 16 per row), the consumers' per-warp row
+// maxima and bad flags, the rows' S_dec and S_enc / 6, their decode scales (NaN for a row holding
+// NaN or Inf) for the epilogue, and the barrier on which the consumers announce the codes to the
+// producer. Same bits as the contract's quantizer (quantize_block, row_scales) and then the
+// streamed kernel on its codes.
+#define STREAM_QROWS_MAX 4096
+#define QROWS_SCALES 2048
+#define QROWS_RED 2304   // u32 [8 rows][16 warps] maxima, then the same of bad flags
+#define QROWS_SDEC 3328  // float [8] S_dec, then [8] S_enc / 6, then [8] decode scales
+#define QROWS_BAR 3424   // the mbarrier
+#define STREAM_QROWS_BYTES 3440  // w4a4_gemm_cuda.py
+static_assert(QROWS_SCALES == STREAM_QROWS_MAX / 2 &&
+                  QROWS_RED == QROWS_SCALES + STREAM_QROWS_MAX / 16,
+              "codes and scale bytes of STREAM_QROWS_MAX elements");
+static_assert(QROWS_BAR % 8 == 0 && QROWS_BAR + 8 <= STREAM_QROWS_BYTES, "the area's barrier");
+
 // A producer thread's share of one unit's activation slice: (row, chunk, code-word pair) items
 // tid + 128 j, their words and scale bytes (zeros past M and K).
 template <int BM>
@@ -1237,6 +1292,28 @@ __device__ __forceinline__ void stream_load_act(const Params& p, int u, int n_fo
     if (r < p.M && c < n_ch) {
       act.w[j] = __ldg((const uint2*)(p.a_words + r * p.stride_aw + (f * 4 + c) * 16 + 2 * tp));
       act.s[j] = __ldg(p.a_scales + r * p.stride_as + (f * 4 + c) * 8 + tp);
+    }
+  }
+}
+
+// stream_load_act's items from the rows variant's codes in shared memory (`area`; the same
+// loop as stream_load_act's, written twice: one function for both spaces compiled the streamed
+// kernels' loops into other schedules).
+template <int BM>
+__device__ __forceinline__ void stream_rows_act(const Params& p, const unsigned char* area, int u,
+                                                int n_folds, int k_chunks, int tid,
+                                                StreamAct<BM>& act) {
+  const u32* codes = (const u32*)area;
+  const unsigned char* scl = area + QROWS_SCALES;
+  const int f = u % n_folds, n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
+#pragma unroll
+  for (int j = 0; j < StreamAct<BM>::PER; ++j) {
+    const int id = tid + 128 * j, tp = id & 7, rc = id >> 3, r = rc % BM, c = rc / BM;
+    act.w[j] = make_uint2(0, 0);
+    act.s[j] = 0;
+    if (r < p.M && c < n_ch) {
+      act.w[j] = *(const uint2*)(codes + r * (p.K / 8) + (f * 4 + c) * 16 + 2 * tp);
+      act.s[j] = scl[r * (p.K / 16) + (f * 4 + c) * 8 + tp];
     }
   }
 }
@@ -1287,17 +1364,67 @@ __device__ __forceinline__ void unit_copy(const Params& p, int u, int n_folds, i
               p.a_image + (long long)f * FOLD_CHUNKS * (BM * 256), n_ch * BM * 256, full);
 }
 
+template <int NWG>
+__device__ __forceinline__ void stream_quantize_rows(const Params& p, unsigned char* area,
+                                                     int ctid) {
+  constexpr int NT = 128 * NWG;
+  u32* codes = (u32*)area;
+  unsigned char* scl = area + QROWS_SCALES;
+  u32* red_big = (u32*)(area + QROWS_RED);
+  u32* red_bad = red_big + 8 * 16;
+  float* s_dec = (float*)(area + QROWS_SDEC);
+  float* enc6 = s_dec + 8;
+  float* a_dec = s_dec + 16;
+  const int blocks = p.K / 16, lane = ctid & 31, warp = ctid >> 5;
+  // pass 1: each row's largest finite magnitude, per warp
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    if (r < p.M) {
+      u32 big, bad;
+      warp_row_max((const uint4*)(p.a_words + (long long)r * p.stride_aw), blocks, ctid, NT, true,
+                   big, bad);
+      if (lane == 0) {
+        red_big[r * 16 + warp] = big;
+        red_bad[r * 16 + warp] = bad;
+      }
+    }
+  }
+  asm volatile("bar.sync 8, %0;" ::"n"(NT) : "memory");
+  if (ctid < p.M) {  // the row's scales
+    u32 big = 0, bad = 0;
+    for (int w = 0; w < NT / 32; ++w) {
+      big = max(big, red_big[ctid * 16 + w]);
+      bad |= red_bad[ctid * 16 + w];
+    }
+    s_dec[ctid] = row_scales(big, enc6[ctid]);
+    a_dec[ctid] = bad ? __int_as_float(0x7FC00000) : s_dec[ctid];
+  }
+  asm volatile("bar.sync 8, %0;" ::"n"(NT) : "memory");
+  // pass 2: every block's code words and scale byte
+  for (int i = ctid; i < p.M * blocks; i += NT) {
+    const int r = i / blocks, b = i - r * blocks;
+    const uint4* x = (const uint4*)(p.a_words + (long long)r * p.stride_aw);
+    const uint4 v[2] = {x[2 * b], x[2 * b + 1]};
+    u32 cw[2];
+    const u32 sb = quantize_block(v, s_dec[r], enc6[r], cw);
+    *(uint2*)(codes + r * (p.K / 8) + 2 * b) = make_uint2(cw[0], cw[1]);
+    scl[r * blocks + b] = (unsigned char)sb;
+  }
+}
+
 // The producer warpgroup: unit i of this CTA into stage i % STAGES. The weight by 16-byte cp.async
 // copies (sixteen threads per 256-byte row of codes: coalesced) that complete on the stage's full
 // barrier (one arrival per thread); the activation slice read (two units ahead) and decoded into
 // the stage's B block by the same threads (a second arrival each). Rows past N are not copied and
 // activation rows past M not written (they only feed outputs that are never stored), nor chunks
 // past K. IMAGE (unit layout): one thread's bulk copies of the weight and the image's block.
-template <int BM, bool UNIT, bool IMAGE>
+template <int BM, bool UNIT, bool IMAGE, bool QUANT>
 __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* smem, u32 base,
                                                u32 bars, int u0, int u1, int n_folds,
                                                int k_chunks, int tid) {
   using S = StreamShape<BM, UNIT>;
+  [[maybe_unused]] const unsigned char* rows_area =
+      smem + S::STAGES * S::STAGE + 16 * S::STAGES + 16;  // QUANT
   const unsigned char* w_codes = (const unsigned char*)p.w_words;
   const long long w_row = p.stride_ww * 4;
   // pull the first unit's weight into L2 before waiting: a prefetch, since L2 is where global
@@ -1328,8 +1455,16 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
     return;
   }
   StreamAct<BM> ahead[2];
-  if (u0 < u1) stream_load_act<BM>(p, u0, n_folds, k_chunks, tid, ahead[0]);
-  if (u0 + 1 < u1) stream_load_act<BM>(p, u0 + 1, n_folds, k_chunks, tid, ahead[1]);
+  if constexpr (QUANT) {  // the first round's weight, then the consumers' codes of the rows
+    static_assert(UNIT && !IMAGE, "the rows variant reads the unit layout");
+    if (tid == 0)
+      for (int i = 0; i < S::STAGES && u0 + i < u1; ++i)
+        unit_copy<BM, false>(p, u0 + i, n_folds, k_chunks, base + i * S::STAGE, bars + 8 * i);
+    mbar_wait(base + (u32)(rows_area - smem) + QROWS_BAR, 0);
+  } else {
+    if (u0 < u1) stream_load_act<BM>(p, u0, n_folds, k_chunks, tid, ahead[0]);
+    if (u0 + 1 < u1) stream_load_act<BM>(p, u0 + 1, n_folds, k_chunks, tid, ahead[1]);
+  }
   for (int i = 0; u0 + i < u1; ++i) {
     const int u = u0 + i, s = i % S::STAGES, round = i / S::STAGES;
     const u32 full = bars + 8 * s, empty = bars + 8 * (S::STAGES + s);
@@ -1337,13 +1472,18 @@ __device__ __forceinline__ void stream_produce(const Params& p, unsigned char* s
     const int n_ch = min(FOLD_CHUNKS, k_chunks - (u % n_folds) * FOLD_CHUNKS);
     if (round > 0) mbar_wait(empty, (round - 1) & 1);
     if (UNIT) {
-      if (tid == 0) unit_copy<BM, false>(p, u, n_folds, k_chunks, stage, full);
+      if (tid == 0 && !(QUANT && round == 0)) unit_copy<BM, false>(p, u, n_folds, k_chunks, stage, full);
     } else {
       stream_copy_canonical<BM>(p, u, n_folds, k_chunks, stage, full, tid);
     }
-    const StreamAct<BM> cur = ahead[0];
-    ahead[0] = ahead[1];
-    if (u + 2 < u1) stream_load_act<BM>(p, u + 2, n_folds, k_chunks, tid, ahead[1]);
+    StreamAct<BM> cur;
+    if constexpr (QUANT) {
+      stream_rows_act<BM>(p, rows_area, u, n_folds, k_chunks, tid, cur);
+    } else {
+      cur = ahead[0];
+      ahead[0] = ahead[1];
+      if (u + 2 < u1) stream_load_act<BM>(p, u + 2, n_folds, k_chunks, tid, ahead[1]);
+    }
     unsigned char* bdst = smem + s * S::STAGE + S::W_CODES + S::W_SCALES;
 #pragma unroll
     for (int j = 0; j < StreamAct<BM>::PER; ++j) {
@@ -1395,7 +1535,8 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
 // the tile's arrivals).
 template <int BM>
-__device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid) {
+__device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid,
+                                            const float* a_dec) {
   const int lane = tid & 31, warp = tid >> 5;
   Acc<BM> acc;
 #pragma unroll
@@ -1422,16 +1563,17 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
       }
     }
   }
-  store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3);
+  store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3, 0, BM, a_dec);
 }
 
-template <int BM, int NWG, bool UNIT, bool IMAGE = false>
+template <int BM, int NWG, bool UNIT, bool IMAGE = false, bool QUANT = false>
 __device__ __forceinline__ void gemm_stream(const Params& p) {
   using S = StreamShape<BM, UNIT>;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = (u32)__cvta_generic_to_shared(smem);
   const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
   int* last = (int*)(smem + S::STAGES * S::STAGE + 16 * S::STAGES);
+  unsigned char* rows_area = smem + S::STAGES * S::STAGE + 16 * S::STAGES + 16;  // QUANT
   const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128;
   const int units = ((p.N + ROWS - 1) / ROWS) * n_folds;
   const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
@@ -1445,14 +1587,21 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       mbar_init(bars + 8 * s, IMAGE ? 1 : UNIT ? 129 : 256);
       mbar_init(bars + 8 * (S::STAGES + s), 128);  // the consuming warpgroup
     }
+    if (QUANT) mbar_init(base + (u32)(rows_area - smem) + QROWS_BAR, 128 * NWG);  // the consumers
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (wg == NWG) {
-    stream_produce<BM, UNIT, IMAGE>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
+    stream_produce<BM, UNIT, IMAGE, QUANT>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
     return;
   }
   wait_previous_kernel();
+  const float* own_dec = nullptr;  // QUANT: the rows' decode scales, made here
+  if constexpr (QUANT) {
+    stream_quantize_rows<NWG>(p, rows_area, threadIdx.x);
+    mbar_arrive(base + (u32)(rows_area - smem) + QROWS_BAR);
+    own_dec = (const float*)(rows_area + QROWS_SDEC) + 16;
+  }
   PHASE_TIME(0);
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   int run = 0;  // this warpgroup's units of the current tile whose arrival is not yet counted
@@ -1471,7 +1620,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     if (n_folds == 1) {  // the fold of one chunk: 0 + p_0 (a -0 partial becomes +0)
 #pragma unroll
       for (int e = 0; e < BM / 2; ++e) part.d[e] = __fadd_rn(0.f, part.d[e]);
-      store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t);
+      store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t, 0, BM, own_dec);
       continue;
     }
     float4* mine = (float4*)(p.partials + ((long long)u * 128 + tid) * (BM / 2));
@@ -1494,7 +1643,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     run = 0;
     if (!last[wg]) continue;
-    stream_fold<BM>(p, tile, n_folds, tid);
+    stream_fold<BM>(p, tile, n_folds, tid, own_dec);
     if (tid == 0) p.counters[tile] = 0;
   }
   PHASE_TIME(3);
@@ -1520,6 +1669,13 @@ STREAM_KERNEL(16, 3)
   }
 STREAM_IMAGE_KERNEL(16, 2)  // 8 < M <= 16 only: at M <= 8 it measured slower (w4a4_gemm_cuda.py)
 STREAM_IMAGE_KERNEL(16, 3)
+#define STREAM_ROWS_KERNEL(BM, NWG)                                                          \
+  extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+      w4a4_stream_rows_m##BM##_w##NWG(const Params p) {                                      \
+    gemm_stream<BM, NWG, true, false, true>(p);                                              \
+  }
+STREAM_ROWS_KERNEL(8, 2)  // M <= 8, M x K <= STREAM_QROWS_MAX: the rows quantized in the kernel
+STREAM_ROWS_KERNEL(8, 3)
 
 // ---- Wide M, register A: consumers decode the staged weight codes into wgmma fragments ----
 //

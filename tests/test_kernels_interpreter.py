@@ -145,8 +145,8 @@ def test_cuda_kernel_mode_and_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> No
 def test_cuda_kernel_names_match_the_source() -> None:
     """Every CUDA kernel the host loads by name (``_kernel_names``: each plan's kernel, the image
     passes) is defined in ``w4a4_gemm_sm90a.cu`` after its macros expand, and every kernel defined
-    there is one the host can launch. The streamed kernel reads the activation image only with
-    the unit layout."""
+    there is one the host can launch. The streamed kernel reads BF16 rows only with the unit
+    layout; its rows variant's shared-memory area is as large on both sides."""
     pytest.importorskip("triton")
     import re
     import shutil
@@ -166,10 +166,19 @@ def test_cuda_kernel_names_match_the_source() -> None:
     assert len(defined) == len(set(defined))
     assert set(defined) == set(w4a4_gemm_cuda._kernel_names())
     stream = w4a4_gemm_cuda.Plan("stream", 16, 1, 1, 3)
-    assert stream.kernel_name(True, True, image=True) == "w4a4_stream_image_m16_w3"
+    assert stream.kernel_name(True, True, rows=True) == "w4a4_stream_image_m16_w3"
     assert stream.kernel_name(True, True) == "w4a4_stream_unit_m16_w3"
     with pytest.raises(ValueError, match="only beside units"):
-        stream.kernel_name(True, False, image=True)
+        stream.kernel_name(True, False, rows=True)
+    # at 8-row tiles the kernel quantizes the rows itself, into shared memory beside its ring
+    quant = w4a4_gemm_cuda.Plan("stream", 8, 1, 1, 2)
+    assert quant.kernel_name(True, True, rows=True) == "w4a4_stream_rows_m8_w2"
+    assert quant.smem(rows=True) - quant.smem() == w4a4_gemm_cuda._STREAM_QUANT_BYTES
+    assert quant.smem(rows=True) <= 227 * 1024  # Hopper's most per CTA
+    assert stream.smem(rows=True) == stream.smem()
+    defines = dict(re.findall(r"#define (STREAM_QROWS_\w+) (\d+)", source.read_text()))
+    assert int(defines["STREAM_QROWS_MAX"]) == w4a4_gemm_cuda.STREAM_QUANT_MAX
+    assert int(defines["STREAM_QROWS_BYTES"]) == w4a4_gemm_cuda._STREAM_QUANT_BYTES
 
 
 def test_wide_kernel_plans() -> None:

@@ -768,11 +768,12 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
 ) -> None:
     """The activation pass that quantizes BF16 rows itself (w4a4_linear at 16 < M <= 256 on the
     image-reading CUDA kernels, at 8 < M <= 16 on them for a weight below the streamed kernel's
-    threshold and on the streamed kernel's image variant for a weight with its kernel layout)
-    gives the bits of the quantizer followed by nvfp4_gemm and by the Triton decode GEMM: every
-    input kind (ties, subnormal and saturated block scales, NaN/Inf/zero rows), bias, three
-    output types, strided rows, N and K off the tile sizes; it serves where it should, and
-    replays in CUDA graphs."""
+    threshold and on the streamed kernel's image variant for a weight with its kernel layout),
+    and at M = 1 the streamed kernel quantizing the row itself (K <= STREAM_QUANT_MAX, kernel
+    layout), give the bits of the quantizer followed by nvfp4_gemm and by the Triton decode
+    GEMM: every input kind (ties, subnormal and saturated block scales, NaN/Inf/zero rows),
+    bias, three output types, strided rows, N and K off the tile sizes; it serves where it
+    should, and replays in CUDA graphs."""
     from minite_kernels import quantized_rows_gemm
     from minite_kernels import w4a4_gemm_cuda as cu
     from minite_kernels.w4a4_gemm import decode_config, nvfp4_gemm_sm90
@@ -785,13 +786,13 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
     # 8192 x 512 at M = 256: the warp-specialized kernel's default
     shapes = (
         (5120, 2048), (2048, 4096), (1000, 1040), (4096, 4096), (8200, 1024), (8200, 1056),
-        (1536, 768), (1024, 2048), (8192, 512),
+        (1536, 768), (1024, 2048), (8192, 512), (2048, 8192),
     )  # fmt: skip
     for i, (n, k) in enumerate(shapes):
         w0 = quantize_nvfp4(_make("normal", n, k, 40 + i).cuda(), amax="tensor", block_2d=True)
         bias = torch.randn(n, generator=_gen(50 + i)).cuda().bfloat16()
         layouts = [(w0, m) for m in (1, 9, 16, 17, 40, 64, 129, 256, 300, 1024)]
-        layouts += [(with_kernel_layout(w0), m) for m in (1, 8, 9, 12, 16)]
+        layouts += [(with_kernel_layout(w0), m) for m in (1, 2, 3, 4, 5, 8, 9, 12, 16)]
         for w, m in layouts:
             kind = ("normal", "heavy", "blocks", "ties", "specials")[(m + i) % 5]
             wide = torch.zeros(m, k + 16, dtype=torch.bfloat16, device="cuda")
@@ -801,8 +802,12 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
                 got = quantized_rows_gemm(x, w, b, out)
                 plan = cu.rows_plan(x, w, out)
                 assert (got is None) == (plan is None), (n, k, m)
-                assert plan is None or 8 < m <= cu.ROWS_MAX_M, (n, k, m)
                 small = n * k < cu.STREAM_MIN_WEIGHT or k % 256 != 0
+                quant = m == 1 and k <= cu.STREAM_QUANT_MAX and not small
+                if w.kernel_layout is not None and quant:  # the streamed kernel quantizes them
+                    assert plan is not None and plan.family == "stream", (n, k, m)
+                    assert plan.kernel_name(True, True, rows=True).startswith("w4a4_stream_rows")
+                assert plan is None or 8 < m <= cu.ROWS_MAX_M or quant, (n, k, m)
                 assert plan is None or m > 16 or w.kernel_layout is not None or small, (n, k, m)
                 if mode == "auto" and small and 8 < m <= 16 and k % 128 == 0:
                     assert plan is not None and plan.family in ("mid", "wide", "wide_cf"), (n, k, m)
@@ -822,7 +827,7 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
         assert "mid" in served, served
     # captured: the pass quantizes the rows written before each replay
     plain = quantize_nvfp4(_make("normal", 5120, 2048, 60).cuda(), amax="tensor", block_2d=True)
-    for m, w in ((64, plain), (12, with_kernel_layout(plain))):
+    for m, w in ((64, plain), (12, with_kernel_layout(plain)), (1, with_kernel_layout(plain))):
         x = torch.zeros(m, 2048, dtype=torch.bfloat16, device="cuda")
         assert cu.rows_plan(x, w, torch.bfloat16) is not None
         w4a4_linear(x, w)
