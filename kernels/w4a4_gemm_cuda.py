@@ -102,7 +102,7 @@ _STREAM_IMAGE_BLOCK_M = 16
 #: The streamed kernel's rows variant (``w4a4_stream_rows_*``): the kernel quantizes BF16 rows
 #: itself (M <= 8), at most this many elements (M x K), into shared memory beside its ring
 #: (``STREAM_QROWS_MAX``, ``STREAM_QROWS_BYTES`` in the CUDA source). ``w4a4_linear`` takes it at
-#: M = 1 only: there it ran 0.99-1.17x the separate quantizer's two launches at K <= 4096 (five
+#: M = 1 only: there it ran 0.99-1.18x the separate quantizer's two launches at K <= 4096 (five
 #: shapes), but 0.85-0.89x at K = 8192-17408 and 0.49-0.96x at M = 2-8 (each consumer thread
 #: quantizes its blocks one after another before the first unit; H100, benchmarks/RESULTS.md).
 STREAM_QUANT_MAX = 4096
