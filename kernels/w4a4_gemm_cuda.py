@@ -217,7 +217,7 @@ class Plan(NamedTuple):
         if self.family == "stream":
             if rows and not units:
                 raise ValueError("the streamed kernel reads BF16 rows only beside units")
-            kind = "image_" if self.block_m == _STREAM_IMAGE_BLOCK_M else "rows_"
+            kind = "rows_" if self.quantizes_rows(True) else "image_"
             layout = kind if rows else "unit_" if units else ""
             return f"w4a4_stream_{layout}m{self.block_m}_w{self.warpgroups}"
         if self.family in _WIDE:
@@ -236,6 +236,12 @@ class Plan(NamedTuple):
             return 128 * (self.warpgroups + 1)
         return 128 * (self.warpgroups + self.producers)
 
+    def quantizes_rows(self, rows: bool) -> bool:
+        """Whether this plan's kernel, given the activation as BF16 ``rows``, quantizes them
+        itself (the streamed kernel's 8-row rows variant) instead of reading the image an
+        activation pass made."""
+        return rows and self.family == "stream" and self.block_m != _STREAM_IMAGE_BLOCK_M
+
     def smem(self, rows: bool = False) -> int:
         """Dynamic shared memory per CTA (bytes; ``rows`` as for :meth:`kernel_name`)."""
         if self.family == "small":
@@ -244,7 +250,7 @@ class Plan(NamedTuple):
             # (the canonical layout's stage pads rows of codes to 288 bytes; the unit layout's is
             # 2 KB smaller, as many stages fit); the rows variant's codes of the rows
             stage = ROWS * (288 + 32) + self.block_m * 1024
-            quant = _STREAM_QUANT_BYTES if rows and self.block_m != _STREAM_IMAGE_BLOCK_M else 0
+            quant = _STREAM_QUANT_BYTES if self.quantizes_rows(rows) else 0
             return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16 + quant
         if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
             # a cluster's partial slots and their barriers; stream-K's 16-bit output tile
@@ -1086,8 +1092,7 @@ def _launch(
     a_chunks = triton.cdiv(k, CHUNK)
     if how.family == "mid" and how.warpgroups == 2:  # whole fold-chunk pairs (zero padding)
         a_chunks = triton.cdiv(a_chunks, 2 * FOLD // CHUNK) * (2 * FOLD // CHUNK)
-    # the streamed kernel's rows variant quantizes the BF16 rows itself: no activation pass
-    quant = how.family == "stream" and how.block_m != _STREAM_IMAGE_BLOCK_M and act.scales is None
+    quant = how.quantizes_rows(act.scales is None)  # then no activation pass
     image = partials = counters = None
     if (how.family in ("wide", "wide_cf") and how.splits > 1) or how.family == "wide_sk":
         # 256 threads x BM / 2 floats per (tile, fold chunk) of a split, per tile for stream-K's
