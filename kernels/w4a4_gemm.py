@@ -23,8 +23,11 @@ below computes exactly this, so a row's result depends on nothing else in the ba
   its tiles loaded by the Tensor Memory Accelerator (TMA descriptors; plain loads in Triton's
   interpreter): the same bits either way.
 
-The older mma.sync instruction (m16n8k16) gives different bits (measured on the H200), so
-configurations that would fall back to it are refused. Tests pin all of this bitwise.
+Triton's fallback to the older mma.sync instruction (m16n8k16), taken where a warpgroup would get
+fewer than 64 weight rows, gave different bits (measured on the H200), so configurations that
+would take it are refused. (The instruction is not the cause: a CUDA C++ chain of mma.sync
+m16n8k16 in the same k16 order gave wgmma's bits on every point tried, benchmarks/NOTES_kernels.md.)
+Tests pin all of this bitwise.
 """
 
 from __future__ import annotations

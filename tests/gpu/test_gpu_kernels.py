@@ -228,7 +228,7 @@ def test_gemm_batch_invariant_across_m_positions_and_paths() -> None:
             y = nvfp4_gemm_sm90(a, w, out_dtype=torch.float32, config=cfg, use_asm=use_asm)
             assert torch.equal(y, base), (cfg, use_asm)
     with pytest.raises(ValueError, match="wgmma"):
-        DecodeConfig(32, 16, 4, 2)  # would run mma.sync, which rounds differently (measured)
+        DecodeConfig(32, 16, 4, 2)  # Triton's mma.sync fallback: different bits (measured)
 
 
 def test_grouped_gemm_equals_dense_per_group() -> None:
