@@ -160,7 +160,7 @@ struct Params {
   u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
   const unsigned char* a_image;  // mid M: the decoded activation, [M tiles][chunks][BM * 256 B]
   int a_chunks;                  // chunks per row of a_image (K padded to 128)
-  float* partials;               // streamed: [units][128 threads][BM / 2] fold-chunk partials
+  float* partials;               // streamed: [units][BM columns][64 rows] fold-chunk partials
   int* counters;                 // streamed: [N tiles] arrivals, zero before and after a launch
   // the activation passes' CTAs from pass_ctas on write w_scales ([N][stride_ws], rows of whole
   // 128-element chunks, zeros past K) from the weight's scales w_scales_src (register-A wide
@@ -1532,38 +1532,48 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
   fence_acc(part);
 }
 
+// Where element i of a consumer thread's partial lives in its unit's workspace slot: batch column
+// r = 8 (i / 4) + 2 t + (i % 2) major, then the 64 weight rows, so the columns inside M form a
+// prefix (M x 256 bytes; only those are stored and folded) and a warp's eight rows g of one column
+// fill one 32-byte sector.
+__device__ __forceinline__ int partial_column(int i, int t) { return 8 * (i >> 2) + 2 * t + (i & 1); }
+__device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
+  return partial_column(i, t) * ROWS + 16 * warp + g + ((i & 2) ? 8 : 0);
+}
+
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
-// the tile's arrivals).
+// the tile's arrivals): R partials in flight, then added in order (BM = 8: 16, one round up to
+// K = 8192; BM = 16: 6, the most that three consumer warpgroups' 128 registers hold without
+// spilling); columns past M are neither loaded nor stored.
 template <int BM>
 __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid,
                                             const float* a_dec) {
-  const int lane = tid & 31, warp = tid >> 5;
+  constexpr int R = BM == 8 ? 16 : 6;
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   Acc<BM> acc;
 #pragma unroll
-  for (int e = 0; e < BM / 2; ++e) acc.d[e] = 0.f;
-  const float4* col =
-      (const float4*)(p.partials + ((long long)tile * n_folds * 128 + tid) * (BM / 2));
-  for (int f0 = 0; f0 < n_folds; f0 += 4) {  // four partials in flight, then added in order
-    float v[4][BM / 2];
+  for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
+  const float* tile_parts = p.partials + (long long)tile * n_folds * ROWS * BM;
+  for (int f0 = 0; f0 < n_folds; f0 += R) {
+    float v[R][BM / 2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (f0 + j < n_folds) {
+    for (int j = 0; j < R; ++j) {
 #pragma unroll
-        for (int e = 0; e < BM / 8; ++e) {
-          const float4 x = __ldcg(col + (long long)(f0 + j) * 128 * (BM / 8) + e);
-          v[j][4 * e] = x.x; v[j][4 * e + 1] = x.y; v[j][4 * e + 2] = x.z; v[j][4 * e + 3] = x.w;
-        }
+      for (int i = 0; i < BM / 2; ++i) {
+        v[j][i] = 0.f;
+        if (f0 + j < n_folds && partial_column(i, t) < p.M)
+          v[j][i] = __ldcg(tile_parts + (long long)(f0 + j) * ROWS * BM + partial_slot(i, warp, g, t));
       }
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       if (f0 + j < n_folds) {
 #pragma unroll
-        for (int e = 0; e < BM / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], v[j][e]);
+        for (int i = 0; i < BM / 2; ++i) acc.d[i] = __fadd_rn(acc.d[i], v[j][i]);
       }
     }
   }
-  store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, lane >> 2, lane & 3, 0, BM, a_dec);
+  store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, g, t, 0, BM, a_dec);
 }
 
 template <int BM, int NWG, bool UNIT, bool IMAGE = false, bool QUANT = false>
@@ -1623,10 +1633,10 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t, 0, BM, own_dec);
       continue;
     }
-    float4* mine = (float4*)(p.partials + ((long long)u * 128 + tid) * (BM / 2));
+    float* mine = p.partials + (long long)u * ROWS * BM;
 #pragma unroll
-    for (int e = 0; e < BM / 8; ++e)
-      mine[e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+    for (int i = 0; i < BM / 2; ++i)
+      if (partial_column(i, t) < p.M) __stcg(mine + partial_slot(i, warp, g, t), part.d[i]);
     ++run;
     const int next = u + NWG;
     if (next < u1 && next / n_folds == tile) continue;
