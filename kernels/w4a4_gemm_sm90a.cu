@@ -160,7 +160,7 @@ struct Params {
   u32 lbo, sbo;  // byte offsets of the B core matrices along K and along the rows
   const unsigned char* a_image;  // mid M: the decoded activation, [M tiles][chunks][BM * 256 B]
   int a_chunks;                  // chunks per row of a_image (K padded to 128)
-  float* partials;               // streamed: [units][BM columns][64 rows] fold-chunk partials
+  float* partials;               // streamed: [units][64 x BM] fold-chunk partials (live_columns)
   int* counters;                 // streamed: [N tiles] arrivals, zero before and after a launch
   // the activation passes' CTAs from pass_ctas on write w_scales ([N][stride_ws], rows of whole
   // 128-element chunks, zeros past K) from the weight's scales w_scales_src (register-A wide
@@ -1532,27 +1532,63 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
   fence_acc(part);
 }
 
-// Where element i of a consumer thread's partial lives in its unit's workspace slot: batch column
-// r = 8 (i / 4) + 2 t + (i % 2) major, then the 64 weight rows, so the columns inside M form a
-// prefix (M x 256 bytes; only those are stored and folded) and a warp's eight rows g of one column
-// fill one 32-byte sector.
+// A unit's workspace slot holds its 64 x BM partial in one of two layouts. At M <= STREAM_LIVE_M
+// (BM = 8) with at least STREAM_LIVE_UNITS units per CTA, column-major: element i of a consumer
+// thread at batch column r = 8 (i / 4) + 2 t + (i % 2), then the 64 weight rows, so the columns
+// inside M are a prefix (M x 256 bytes; only those are stored and folded, a warp's eight rows g
+// of one column in one 32-byte sector). Otherwise thread-major, BM / 2 floats per thread (16-byte
+// stores and loads). H100, same run: column-major 1.04-1.06x at M = 1-2 on 8192^2, 4096 x 12288
+// and 28672 x 4096 (11-27 units per CTA), 0.97-0.98x at M = 1 on 5120 x 2048 and 2048 x 4096 (2-3
+// units per CTA, where the wider fold's instructions sit on the short kernel's tail), no gain at
+// M = 4 (benchmarks/RESULTS.md).
+#define STREAM_LIVE_M 2
+#define STREAM_LIVE_UNITS 8
+template <int BM>
+__device__ __forceinline__ bool live_columns(const Params& p, int units) {
+  return BM == 8 && p.M <= STREAM_LIVE_M && units >= STREAM_LIVE_UNITS * (int)gridDim.x;
+}
 __device__ __forceinline__ int partial_column(int i, int t) { return 8 * (i >> 2) + 2 * t + (i & 1); }
 __device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
   return partial_column(i, t) * ROWS + 16 * warp + g + ((i & 2) ? 8 : 0);
 }
 
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
-// the tile's arrivals): R partials in flight, then added in order (BM = 8: 16, one round up to
-// K = 8192; BM = 16: 6, the most that three consumer warpgroups' 128 registers hold without
-// spilling); columns past M are neither loaded nor stored.
+// the tile's arrivals): R partials in flight, then added in order. Column-major slots (live
+// columns only): 16 in flight, one round up to K = 8192; thread-major: 4.
 template <int BM>
 __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid,
                                             const float* a_dec) {
-  constexpr int R = BM == 8 ? 16 : 6;
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   Acc<BM> acc;
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
+  if (!live_columns<BM>(p, ((p.N + ROWS - 1) / ROWS) * n_folds)) {
+    const float4* col =
+        (const float4*)(p.partials + ((long long)tile * n_folds * 128 + tid) * (BM / 2));
+    for (int f0 = 0; f0 < n_folds; f0 += 4) {
+      float v[4][BM / 2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (f0 + j < n_folds) {
+#pragma unroll
+          for (int e = 0; e < BM / 8; ++e) {
+            const float4 x = __ldcg(col + (long long)(f0 + j) * 128 * (BM / 8) + e);
+            v[j][4 * e] = x.x; v[j][4 * e + 1] = x.y; v[j][4 * e + 2] = x.z; v[j][4 * e + 3] = x.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (f0 + j < n_folds) {
+#pragma unroll
+          for (int e = 0; e < BM / 2; ++e) acc.d[e] = __fadd_rn(acc.d[e], v[j][e]);
+        }
+      }
+    }
+    store_out<BM>(p, acc, tile * ROWS + 16 * warp, 0, g, t, 0, BM, a_dec);
+    return;
+  }
+  constexpr int R = 16;
   const float* tile_parts = p.partials + (long long)tile * n_folds * ROWS * BM;
   for (int f0 = 0; f0 < n_folds; f0 += R) {
     float v[R][BM / 2];
@@ -1633,10 +1669,17 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t, 0, BM, own_dec);
       continue;
     }
-    float* mine = p.partials + (long long)u * ROWS * BM;
+    if (live_columns<BM>(p, units)) {
+      float* mine = p.partials + (long long)u * ROWS * BM;
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i)
-      if (partial_column(i, t) < p.M) __stcg(mine + partial_slot(i, warp, g, t), part.d[i]);
+      for (int i = 0; i < BM / 2; ++i)
+        if (partial_column(i, t) < p.M) __stcg(mine + partial_slot(i, warp, g, t), part.d[i]);
+    } else {
+      float4* mine = (float4*)(p.partials + ((long long)u * 128 + tid) * (BM / 2));
+#pragma unroll
+      for (int e = 0; e < BM / 8; ++e)
+        mine[e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+    }
     ++run;
     const int next = u + NWG;
     if (next < u1 && next / n_folds == tile) continue;
