@@ -2,13 +2,17 @@
 then times beside cuBLAS BF16, in one process (issue 13).
 
     # on any machine with nvcc (no GPU): variants from git revisions or files, cubins cached
-    python benchmarks/kernel_ab.py prepare --out ab --rev before=0b9c9c1 --file mine=/tmp/x.cu
+    python benchmarks/kernel_ab.py prepare --out ab --rev before=0b9c9c1 --file mine=/tmp/x.cu \
+        --patch parts=benchmarks/prepared/stream_part_arrivals.patch
     # on the GPU, the project importable (README), ``ab`` carried: bits against the first, times
     python benchmarks/kernel_ab.py run --dir ab --check --times [--names shipped,before]
 
-A variant is a whole copy of the kernel source; ``run`` loads it in place of the shipped file for
-every ``w4a4_gemm_cuda`` launch while it is selected (``cuda_jit.load`` is wrapped), so the default
-dispatch, ``w4a4_linear`` and the forced streamed plans all run it. ``shipped`` is the working
+A variant is a whole copy of the kernel source (a git revision's, a file, or the working tree's
+with a patch applied); ``run`` loads it in place of the shipped file for every ``w4a4_gemm_cuda``
+launch while it is selected (``cuda_jit.load`` is wrapped), so the default dispatch,
+``w4a4_linear`` and the forced streamed plans all run it. The streamed kernel's launches of a
+variant get ``VARIANT_SMEM`` more bytes of dynamic shared memory than the shipped plan reserves,
+for a variant's own flags. ``shipped`` is the working
 tree's file. ``--check`` compares the bytes of every variant's output with the first variant's on
 streamed plans (2 and 3 consumer warpgroups, canonical and unit layouts) over shapes that cover
 tiles held by one, two and three or more CTAs, K % 512 == 256 and N % 64 != 0, M = 1-16, float32
@@ -23,6 +27,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,13 +37,14 @@ CHECK_SHAPES = (
     (16384, 1024), (16384, 2560), (6144, 2304), (2000, 11264), (64, 256),
 )  # fmt: skip
 CHECK_MS = (1, 2, 5, 8, 9, 13, 16)
+VARIANT_SMEM = 1024
 TIME_SHAPES = {
     "8192^2": (8192, 8192), "qkv": (5120, 2048), "o": (2048, 4096),
     "4096x12288": (4096, 12288), "28672x4096": (28672, 4096),
 }  # fmt: skip
 
 
-def prepare(out: Path, revs: list[str], files: list[str]) -> None:
+def prepare(out: Path, revs: list[str], files: list[str], patches: list[str]) -> None:
     """Write ``out/variants/<name>.cu`` (``shipped`` first) and compile each into ``out/cache``
     under ``cuda_jit``'s cache key (sm_90a: the source text and the file's stem), so the GPU run
     loads them without compiling."""
@@ -52,6 +58,16 @@ def prepare(out: Path, revs: list[str], files: list[str]) -> None:
     for spec in files:
         name, path = spec.split("=", 1)
         variants[name] = Path(path).read_text()
+    for spec in patches:
+        name, path = spec.split("=", 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "kernels").mkdir()
+            (Path(tmp) / "kernels" / SOURCE).write_text(variants["shipped"])
+            subprocess.run(
+                ["git", "apply", f"--include=kernels/{SOURCE}", str(Path(path).resolve())],
+                cwd=tmp, check=True,
+            )  # fmt: skip
+            variants[name] = (Path(tmp) / "kernels" / SOURCE).read_text()
     (out / "variants").mkdir(parents=True, exist_ok=True)
     os.environ["MINITE_CACHE_DIR"] = str(out / "cache")
     sys.path.insert(0, str(ROOT))
@@ -89,6 +105,13 @@ def run(directory: Path, names: list[str] | None, check: bool, times: bool, ms: 
         return real_load(source_file, kernel_names, device, defines)
 
     cuda_jit.load = load
+    real_smem = wc.Plan.smem
+
+    def smem(plan, rows=False):
+        extra = VARIANT_SMEM if plan.family == "stream" and current["name"] != "shipped" else 0
+        return real_smem(plan, rows) + extra
+
+    wc.Plan.smem = smem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; variants {names}", flush=True)
     bad = 0
@@ -187,6 +210,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rev", action="append", default=[], help="NAME=GIT_REVISION")
     p.add_argument("--file", action="append", default=[], help="NAME=PATH of a .cu copy")
+    p.add_argument("--patch", action="append", default=[], help="NAME=PATH of a patch to apply")
     r = sub.add_parser("run", help="bits and times on the GPU")
     r.add_argument("--dir", type=Path, required=True)
     r.add_argument("--names", default="", help="comma-separated subset (default: all, in order)")
@@ -195,7 +219,7 @@ def main() -> int:
     r.add_argument("--ms", default="1,16")
     args = parser.parse_args()
     if args.cmd == "prepare":
-        prepare(args.out, args.rev, args.file)
+        prepare(args.out, args.rev, args.file, args.patch)
         return 0
     names = [n for n in args.names.split(",") if n] or None
     return run(args.dir, names, args.check, args.times, [int(m) for m in args.ms.split(",")])
