@@ -1553,16 +1553,16 @@ __device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
 }
 
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
-// the tile's arrivals): R partials in flight, then added in order. Column-major slots (live
-// columns only): 16 in flight, one round up to K = 8192; thread-major: 4.
+// the tile's arrivals): R partials in flight, then added in order. `live`: column-major slots,
+// only the columns inside M, 16 in flight (one round up to K = 8192); else thread-major, 4.
 template <int BM>
-__device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, int tid,
-                                            const float* a_dec) {
+__device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, bool live,
+                                            int tid, const float* a_dec) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   Acc<BM> acc;
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
-  if (!live_columns<BM>(p, ((p.N + ROWS - 1) / ROWS) * n_folds)) {
+  if (!live) {
     const float4* col =
         (const float4*)(p.partials + ((long long)tile * n_folds * 128 + tid) * (BM / 2));
     for (int f0 = 0; f0 < n_folds; f0 += 4) {
@@ -1651,6 +1651,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   PHASE_TIME(0);
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   int run = 0;  // this warpgroup's units of the current tile whose arrival is not yet counted
+  const bool live = live_columns<BM>(p, units);  // the workspace slots' layout
   for (int i = wg; u0 + i < u1; i += NWG) {
     const int u = u0 + i, s = i % S::STAGES;
     const int tile = u / n_folds;
@@ -1669,7 +1670,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       store_out<BM>(p, part, tile * ROWS + 16 * warp, 0, g, t, 0, BM, own_dec);
       continue;
     }
-    if (live_columns<BM>(p, units)) {
+    if (live) {
       float* mine = p.partials + (long long)u * ROWS * BM;
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i)
@@ -1696,7 +1697,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     run = 0;
     if (!last[wg]) continue;
-    stream_fold<BM>(p, tile, n_folds, tid, own_dec);
+    stream_fold<BM>(p, tile, n_folds, live, tid, own_dec);
     if (tid == 0) p.counters[tile] = 0;
   }
   PHASE_TIME(3);
