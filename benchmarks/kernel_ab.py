@@ -5,7 +5,8 @@ then times beside cuBLAS BF16, in one process (issue 13).
     python benchmarks/kernel_ab.py prepare --out ab --rev before=0b9c9c1 --file mine=/tmp/x.cu \
         --patch parts=benchmarks/prepared/stream_part_arrivals.patch
     # on the GPU, the project importable (README), ``ab`` carried: bits against the first, times
-    python benchmarks/kernel_ab.py run --dir ab --check --times [--names shipped,before]
+    python benchmarks/kernel_ab.py run --dir ab --check [1,9] --times [1,16] \
+        [--names shipped,before] [--shapes 8192^2,qkv] [--no-linear]
 
 A variant is a whole copy of the kernel source (a git revision's, a file, or the working tree's
 with a patch applied); ``run`` loads it in place of the shipped file for every ``w4a4_gemm_cuda``
@@ -85,8 +86,16 @@ def prepare(out: Path, revs: list[str], files: list[str], patches: list[str]) ->
     (out / "variants" / "ORDER").write_text("\n".join(order) + "\n")
 
 
-def run(directory: Path, names: list[str] | None, check: bool, times: bool, ms: list[int]) -> int:
-    """Bits and times of the variants in ``directory`` (``prepare``'s output)."""
+def run(
+    directory: Path,
+    names: list[str] | None,
+    check: list[int],
+    times: list[int],
+    shapes: list[str],
+    linear: bool,
+) -> int:
+    """Bits (at the Ms in ``check``) and times (at the Ms in ``times``, of ``shapes``, with
+    ``w4a4_linear`` if ``linear``) of the variants in ``directory`` (``prepare``'s output)."""
     os.environ.setdefault("MINITE_CACHE_DIR", str(directory / "cache"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
@@ -116,13 +125,13 @@ def run(directory: Path, names: list[str] | None, check: bool, times: bool, ms: 
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; variants {names}", flush=True)
     bad = 0
     if check:
-        bad = _check(names, current, sms, wc)
+        bad = _check(names, current, sms, wc, check)
     if times:
-        _times(names, current, ms)
+        _times(names, current, times, shapes, linear)
     return 1 if bad else 0
 
 
-def _check(names, current, sms, wc) -> int:
+def _check(names, current, sms, wc, ms) -> int:
     from dataclasses import replace
 
     import torch
@@ -145,7 +154,7 @@ def _check(names, current, sms, wc) -> int:
         heavy *= torch.exp(torch.randn(n, k, device="cuda", generator=g))
         w = quantize_nvfp4(heavy.bfloat16(), amax="tensor", block_2d=True)
         w_units = replace(w, kernel_layout=wc.UnitLayout(w.codes, w.scales))
-        for m in CHECK_MS:
+        for m in ms:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             x[0, :16] = 0
             if m > 2:
@@ -174,18 +183,20 @@ def _check(names, current, sms, wc) -> int:
     return bad + (leftover != 0)
 
 
-def _times(names, current, ms) -> None:
+def _times(names, current, ms, shapes, linear) -> None:
     import torch
     from gemm import Shape, bench_us
 
     for m in ms:
-        for label, (n, k) in TIME_SHAPES.items():
-            s = Shape(m, n, k)
+        for label in shapes:
+            s = Shape(m, *TIME_SHAPES[label])
             best: dict[str, float] = {}
             for _ in range(2):
                 runs = [("cublas", s.cublas())]
                 for name in names:
-                    runs += [(name, s.ours()), (f"{name} linear", s.ours_linear())]
+                    runs.append((name, s.ours()))
+                    if linear:
+                        runs.append((f"{name} linear", s.ours_linear()))
                 for key, fn in runs:
                     current["name"] = key.split()[0] if key != "cublas" else "shipped"
                     best[key] = min(best.get(key, float("inf")), bench_us(fn, s.rotate))
@@ -193,14 +204,18 @@ def _times(names, current, ms) -> None:
             base = names[0]
             cells = [f"cuBLAS {best['cublas']:.2f}"]
             for name in names:
-                lin = best[f"{name} linear"]
-                cells.append(
-                    f"{name} {best[name]:.2f} ({best[base] / best[name]:.3f}x) / linear "
-                    f"{lin:.2f} ({best['cublas'] / lin:.2f}x cuBLAS)"
-                )
+                cell = f"{name} {best[name]:.2f} ({best[base] / best[name]:.3f}x)"
+                if linear:
+                    lin = best[f"{name} linear"]
+                    cell += f" / linear {lin:.2f} ({best['cublas'] / lin:.2f}x cuBLAS)"
+                cells.append(cell)
             print(f"{label} M={m}: " + "; ".join(cells), flush=True)
             del s
             torch.cuda.empty_cache()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(m) for m in text.split(","))
 
 
 def main() -> int:
@@ -214,15 +229,35 @@ def main() -> int:
     r = sub.add_parser("run", help="bits and times on the GPU")
     r.add_argument("--dir", type=Path, required=True)
     r.add_argument("--names", default="", help="comma-separated subset (default: all, in order)")
-    r.add_argument("--check", action="store_true")
-    r.add_argument("--times", action="store_true")
-    r.add_argument("--ms", default="1,16")
+    r.add_argument(
+        "--check",
+        nargs="?",
+        const=CHECK_MS,
+        type=_ints,
+        default=(),
+        help=f"compare bits (at these Ms; default {','.join(map(str, CHECK_MS))})",
+    )
+    r.add_argument(
+        "--times",
+        nargs="?",
+        const=(1, 16),
+        type=_ints,
+        default=(),
+        help="time (at these Ms; default 1,16)",
+    )
+    r.add_argument("--shapes", default=",".join(TIME_SHAPES), help="timed shapes (comma names)")
+    r.add_argument(
+        "--linear",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time w4a4_linear",
+    )
     args = parser.parse_args()
     if args.cmd == "prepare":
         prepare(args.out, args.rev, args.file, args.patch)
         return 0
     names = [n for n in args.names.split(",") if n] or None
-    return run(args.dir, names, args.check, args.times, [int(m) for m in args.ms.split(",")])
+    return run(args.dir, names, args.check, args.times, args.shapes.split(","), args.linear)
 
 
 if __name__ == "__main__":
