@@ -3,7 +3,7 @@ then times beside cuBLAS BF16, in one process (issue 13).
 
     # on any machine with nvcc (no GPU): variants from git revisions or files, cubins cached
     python benchmarks/kernel_ab.py prepare --out ab --rev before=0b9c9c1 --file mine=/tmp/x.cu \
-        --patch parts=benchmarks/prepared/stream_part_arrivals.patch
+        --patch parts=/tmp/change.patch
     # on the GPU, the project importable (README), ``ab`` carried: bits against the first, times
     python benchmarks/kernel_ab.py run --dir ab --check [1,9] --times [1,16] \
         [--names shipped,before] [--shapes 8192^2,qkv] [--no-linear]
@@ -13,13 +13,16 @@ with a patch applied); ``run`` loads it in place of the shipped file for every `
 launch while it is selected (``cuda_jit.load`` is wrapped), so the default dispatch,
 ``w4a4_linear`` and the forced streamed plans all run it. The streamed kernel's launches of a
 variant get ``VARIANT_SMEM`` more bytes of dynamic shared memory than the shipped plan reserves,
-for a variant's own flags. ``shipped`` is the working
-tree's file. ``--check`` compares the bytes of every variant's output with the first variant's on
-streamed plans (2 and 3 consumer warpgroups, canonical and unit layouts) over shapes that cover
-tiles held by one, two and three or more CTAs, K % 512 == 256 and N % 64 != 0, M = 1-16, float32
-and BF16 out, heavy-tailed weights and zero / NaN / Inf activation entries, and through
-``w4a4_linear``. ``--times``: graph-replay medians (``gemm.py``'s ``Shape``: weights rotated past
-L2), best of two rounds, per shape and M; ratios print against the first variant and cuBLAS.
+for a variant's own flags. ``shipped`` is the working tree's file. ``--check`` compares the bytes
+of every variant's output with the first variant's on streamed plans (2 and 3 consumer
+warpgroups, canonical and unit layouts) over shapes that cover tiles held by one, two and three or
+more CTAs, K % 512 == 256 and N % 64 != 0, M = 1-16, float32 and BF16 out, heavy-tailed weights
+and zero / NaN / Inf activation entries, and through ``w4a4_linear``. ``--times``: graph-replay
+medians (``gemm.py``'s ``Shape``: weights rotated past L2), best of two rounds, per shape and M;
+ratios print against the first variant and cuBLAS. On a fresh machine the first run through
+``w4a4_linear`` spends minutes compiling Triton kernels (H100, 2026-12-06: ~4 min; write the
+output to a file as it comes); later runs on the same machine take ~20 s for ``--times
+--no-linear`` over the five shapes.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ _STREAM_IMAGE_BLOCK_M = 16
 #: quantizes its blocks one after another before the first unit; H100, benchmarks/RESULTS.md).
 STREAM_QUANT_MAX = 4096
 _STREAM_QUANT_BYTES = 3440
+#: The streamed kernel's ring of per-CTA-part arrival counters (``STREAM_PART_SLOTS`` ints).
+_STREAM_PART_BYTES = 128
 #: Bytes of one unit in the streamed kernel's unit layout (:func:`unit_layout`).
 UNIT_BYTES = 18432
 #: Wide-M kernels with register A (``WIDE_KERNEL`` in the CUDA source): batch rows per CTA; 128
@@ -248,10 +250,13 @@ class Plan(NamedTuple):
             return self.per_split * self.block_m * 1024
         if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
             # (the canonical layout's stage pads rows of codes to 288 bytes; the unit layout's is
-            # 2 KB smaller, as many stages fit); the rows variant's codes of the rows
+            # 2 KB smaller, as many stages fit); the rows variant's codes of the rows; the part
+            # counters
             stage = ROWS * (288 + 32) + self.block_m * 1024
             quant = _STREAM_QUANT_BYTES if self.quantizes_rows(rows) else 0
-            return min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16 + quant
+            return (
+                min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16 + quant + _STREAM_PART_BYTES
+            )
         if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
             # a cluster's partial slots and their barriers; stream-K's 16-bit output tile
             # (WideShape)

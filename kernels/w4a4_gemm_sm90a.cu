@@ -1266,6 +1266,10 @@ __device__ __forceinline__ void cp_async_zfill(u32 dst, const void* src, int val
 #define QROWS_SDEC 3328  // float [8] S_dec, then [8] S_enc / 6, then [8] decode scales
 #define QROWS_BAR 3424   // the mbarrier
 #define STREAM_QROWS_BYTES 3440  // w4a4_gemm_cuda.py
+// The streamed kernel's arrivals by CTA part at >= STREAM_PART_UNITS units per CTA, counted in a
+// ring of STREAM_PART_SLOTS shared-memory counters (w4a4_gemm_cuda.py).
+#define STREAM_PART_UNITS 8
+#define STREAM_PART_SLOTS 32
 static_assert(QROWS_SCALES == STREAM_QROWS_MAX / 2 &&
                   QROWS_RED == QROWS_SCALES + STREAM_QROWS_MAX / 16,
               "codes and scale bytes of STREAM_QROWS_MAX elements");
@@ -1620,6 +1624,9 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   const u32 bars = base + S::STAGES * S::STAGE;  // full[STAGES], then empty[STAGES]
   int* last = (int*)(smem + S::STAGES * S::STAGE + 16 * S::STAGES);
   unsigned char* rows_area = smem + S::STAGES * S::STAGE + 16 * S::STAGES + 16;  // QUANT
+  // per CTA part of a tile (a ring: parts in flight span at most the stages and the warpgroups'
+  // units), its units counted so far
+  int* part_counts = (int*)(rows_area + (QUANT ? STREAM_QROWS_BYTES : 0));
   const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128;
   const int units = ((p.N + ROWS - 1) / ROWS) * n_folds;
   const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
@@ -1636,6 +1643,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     if (QUANT) mbar_init(base + (u32)(rows_area - smem) + QROWS_BAR, 128 * NWG);  // the consumers
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  if (threadIdx.x < STREAM_PART_SLOTS) part_counts[threadIdx.x] = 0;
   __syncthreads();
   if (wg == NWG) {
     stream_produce<BM, UNIT, IMAGE, QUANT>(p, smem, base, bars, u0, u1, n_folds, k_chunks, tid);
@@ -1652,6 +1660,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   int run = 0;  // this warpgroup's units of the current tile whose arrival is not yet counted
   const bool live = live_columns<BM>(p, units);  // the workspace slots' layout
+  const bool by_part = units >= STREAM_PART_UNITS * (int)gridDim.x;  // the arrivals
   for (int i = wg; u0 + i < u1; i += NWG) {
     const int u = u0 + i, s = i % S::STAGES;
     const int tile = u / n_folds;
@@ -1684,14 +1693,42 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
     ++run;
     const int next = u + NWG;
     if (next < u1 && next / n_folds == tile) continue;
-    // leaving the tile: count this warpgroup's units of it (the barrier orders the warpgroup's
-    // partial stores before thread 0's fence, which makes them visible GPU-wide before its
-    // arrival); the last arrival folds
+    // leaving the tile (the barrier orders the warpgroup's partial stores before thread 0's
+    // arrival). Large weights (`by_part`): count this warpgroup's units of the CTA's part of the
+    // tile in shared memory; the warpgroup completing the part arrives for the whole of it: a tile
+    // inside the CTA needs no GPU-scope arrival; a part the tile continues past (the CTA's last
+    // units, whose next CTA did that tile's units first) reads the tile's counter (acquire) and
+    // if every other part is in, folds with no fence or atomic; else the fence makes the part's
+    // stores visible GPU-wide before its units are added, and the last arrival folds. Small
+    // weights: each warpgroup arrives for its own units.
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     if (tid == 0) {
-      __threadfence();
-      const int done = atomicAdd(p.counters + tile, run) + run == n_folds;
-      if (done) __threadfence();  // acquire: the other partials before the fold's loads
+      const int t0 = tile * n_folds, part = min(u1, t0 + n_folds) - max(u0, t0);
+      int arriving = run;
+      bool done = true;
+      if (by_part) {
+        int* count = part_counts + (tile - u0 / n_folds) % STREAM_PART_SLOTS;
+        __threadfence_block();
+        done = atomicAdd(count, run) + run == part;
+        arriving = done && part != n_folds ? part : 0;
+        if (done) {
+          __threadfence_block();  // acquire: the part's other partial stores
+          *count = 0;
+        }
+        if (arriving && t0 + n_folds > u1) {
+          int others;
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];"
+                       : "=r"(others)
+                       : "l"(p.counters + tile)
+                       : "memory");
+          if (others == n_folds - part) arriving = 0;
+        }
+      }
+      if (arriving) {
+        __threadfence();
+        done = atomicAdd(p.counters + tile, arriving) + arriving == n_folds;
+        if (done) __threadfence();  // acquire: the other partials before the fold's loads
+      }
       last[wg] = done;
     }
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");

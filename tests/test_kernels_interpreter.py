@@ -179,6 +179,9 @@ def test_cuda_kernel_names_match_the_source() -> None:
     defines = dict(re.findall(r"#define (STREAM_QROWS_\w+) (\d+)", source.read_text()))
     assert int(defines["STREAM_QROWS_MAX"]) == w4a4_gemm_cuda.STREAM_QUANT_MAX
     assert int(defines["STREAM_QROWS_BYTES"]) == w4a4_gemm_cuda._STREAM_QUANT_BYTES
+    # the ring of per-CTA-part arrival counters sits behind the rows' area
+    slots = re.search(r"#define STREAM_PART_SLOTS (\d+)", source.read_text())
+    assert slots and 4 * int(slots.group(1)) == w4a4_gemm_cuda._STREAM_PART_BYTES
 
 
 def test_wide_kernel_plans() -> None:
