@@ -1266,9 +1266,10 @@ __device__ __forceinline__ void cp_async_zfill(u32 dst, const void* src, int val
 #define QROWS_SDEC 3328  // float [8] S_dec, then [8] S_enc / 6, then [8] decode scales
 #define QROWS_BAR 3424   // the mbarrier
 #define STREAM_QROWS_BYTES 3440  // w4a4_gemm_cuda.py
-// The streamed kernel's arrivals by CTA part at >= STREAM_PART_UNITS units per CTA, counted in a
-// ring of STREAM_PART_SLOTS shared-memory counters (w4a4_gemm_cuda.py).
-#define STREAM_PART_UNITS 8
+// The streamed kernel on weights of at least STREAM_MANY_UNITS units per CTA (`many_units`): its
+// arrivals by CTA part, counted in a ring of STREAM_PART_SLOTS shared-memory counters
+// (w4a4_gemm_cuda.py), and at M <= STREAM_LIVE_M its live-column partials.
+#define STREAM_MANY_UNITS 8
 #define STREAM_PART_SLOTS 32
 static_assert(QROWS_SCALES == STREAM_QROWS_MAX / 2 &&
                   QROWS_RED == QROWS_SCALES + STREAM_QROWS_MAX / 16,
@@ -1537,7 +1538,7 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
 }
 
 // A unit's workspace slot holds its 64 x BM partial in one of two layouts. At M <= STREAM_LIVE_M
-// (BM = 8) with at least STREAM_LIVE_UNITS units per CTA, column-major: element i of a consumer
+// (BM = 8) with at least STREAM_MANY_UNITS units per CTA, column-major: element i of a consumer
 // thread at batch column r = 8 (i / 4) + 2 t + (i % 2), then the 64 weight rows, so the columns
 // inside M are a prefix (M x 256 bytes; only those are stored and folded, a warp's eight rows g
 // of one column in one 32-byte sector). Otherwise thread-major, BM / 2 floats per thread (16-byte
@@ -1546,10 +1547,9 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
 // units per CTA, where the wider fold's instructions sit on the short kernel's tail), no gain at
 // M = 4 (benchmarks/RESULTS.md).
 #define STREAM_LIVE_M 2
-#define STREAM_LIVE_UNITS 8
 template <int BM>
-__device__ __forceinline__ bool live_columns(const Params& p, int units) {
-  return BM == 8 && p.M <= STREAM_LIVE_M && units >= STREAM_LIVE_UNITS * (int)gridDim.x;
+__device__ __forceinline__ bool live_columns(const Params& p, bool many_units) {
+  return BM == 8 && p.M <= STREAM_LIVE_M && many_units;
 }
 __device__ __forceinline__ int partial_column(int i, int t) { return 8 * (i >> 2) + 2 * t + (i & 1); }
 __device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
@@ -1659,8 +1659,8 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   PHASE_TIME(0);
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   int run = 0;  // this warpgroup's units of the current tile whose arrival is not yet counted
-  const bool live = live_columns<BM>(p, units);  // the workspace slots' layout
-  const bool by_part = units >= STREAM_PART_UNITS * (int)gridDim.x;  // the arrivals
+  const bool by_part = units >= STREAM_MANY_UNITS * (int)gridDim.x;  // the arrivals
+  const bool live = live_columns<BM>(p, by_part);  // the workspace slots' layout
   for (int i = wg; u0 + i < u1; i += NWG) {
     const int u = u0 + i, s = i % S::STAGES;
     const int tile = u / n_folds;
