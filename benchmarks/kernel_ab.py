@@ -19,10 +19,12 @@ warpgroups, canonical and unit layouts) over shapes that cover tiles held by one
 more CTAs, K % 512 == 256 and N % 64 != 0, M = 1-16, float32 and BF16 out, heavy-tailed weights
 and zero / NaN / Inf activation entries, and through ``w4a4_linear``. ``--times``: graph-replay
 medians (``gemm.py``'s ``Shape``: weights rotated past L2), best of two rounds, per shape and M;
-ratios print against the first variant and cuBLAS. On a fresh machine the first run through
-``w4a4_linear`` spends minutes compiling Triton kernels (H100, 2026-12-06: ~4 min; write the
-output to a file as it comes); later runs on the same machine take ~20 s for ``--times
---no-linear`` over the five shapes.
+ratios print against the first variant and cuBLAS; a line per shape shows, as it goes, which
+variant is being timed. A fresh machine spends minutes compiling Triton kernels (the operands'
+quantize kernels, ``w4a4_linear``'s; a new M can compile again, as Triton specializes on
+arguments; H100, 2026-12-06: three variants over five shapes at M = 1 and 8 took ~9 min in all): write the output to a file as it comes, and point
+``TRITON_CACHE_DIR`` at an ignored folder of the tree (``build/triton``), which the GPU machine
+keeps between calls while it is held.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,6 +195,8 @@ def _times(names, current, ms, shapes, linear) -> None:
 
     for m in ms:
         for label in shapes:
+            # progress as it goes (a run cut short by a time limit shows where it was)
+            print(f"[{time.strftime('%H:%M:%S')}] {label} M={m}: operands", end="", flush=True)
             s = Shape(m, *TIME_SHAPES[label])
             best: dict[str, float] = {}
             for _ in range(2):
@@ -201,8 +206,10 @@ def _times(names, current, ms, shapes, linear) -> None:
                     if linear:
                         runs.append((f"{name} linear", s.ours_linear()))
                 for key, fn in runs:
+                    print(f", {key}", end="", flush=True)
                     current["name"] = key.split()[0] if key != "cublas" else "shipped"
                     best[key] = min(best.get(key, float("inf")), bench_us(fn, s.rotate))
+            print(flush=True)
             current["name"] = "shipped"
             base = names[0]
             cells = [f"cuBLAS {best['cublas']:.2f}"]
