@@ -22,9 +22,10 @@ medians (``gemm.py``'s ``Shape``: weights rotated past L2), best of two rounds, 
 ratios print against the first variant and cuBLAS; a line per shape shows, as it goes, which
 variant is being timed. A fresh machine spends minutes compiling Triton kernels (the operands'
 quantize kernels, ``w4a4_linear``'s; a new M can compile again, as Triton specializes on
-arguments; H100, 2026-12-06: three variants over five shapes at M = 1 and 8 took ~9 min in all): write the output to a file as it comes, and point
-``TRITON_CACHE_DIR`` at an ignored folder of the tree (``build/triton``), which the GPU machine
-keeps between calls while it is held.
+arguments; H100, 2026-12-06: three variants over five shapes at M = 1 and 8 took ~9 min in
+all): write the output to a file as it comes, and point ``TRITON_CACHE_DIR`` at an ignored
+folder of the tree (``build/triton``), which the GPU machine keeps between calls while it is
+held.
 """
 
 from __future__ import annotations
