@@ -23,9 +23,9 @@ ratios print against the first variant and cuBLAS; a line per shape shows, as it
 variant is being timed. A fresh machine spends minutes compiling Triton kernels (the operands'
 quantize kernels, ``w4a4_linear``'s; a new M can compile again, as Triton specializes on
 arguments; H100, 2026-12-06: three variants over five shapes at M = 1 and 8 took ~9 min in
-all): write the output to a file as it comes, and point ``TRITON_CACHE_DIR`` at an ignored
-folder of the tree (``build/triton``), which the GPU machine keeps between calls while it is
-held.
+all): write the output to a file as it comes. ``run`` keeps Triton's cache in ``build/triton``
+(unless ``TRITON_CACHE_DIR`` is set), an ignored folder of the tree, which the GPU machine keeps
+between calls while it is held.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def run(
     """Bits (at the Ms in ``check``) and times (at the Ms in ``times``, of ``shapes``, with
     ``w4a4_linear`` if ``linear``) of the variants in ``directory`` (``prepare``'s output)."""
     os.environ.setdefault("MINITE_CACHE_DIR", str(directory / "cache"))
+    # Triton's compiles in an ignored folder of the tree, which the GPU machine keeps between calls
+    os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / "build" / "triton"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from minite_kernels import cuda_jit
