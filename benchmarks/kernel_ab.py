@@ -3,7 +3,7 @@ then times beside cuBLAS BF16, in one process (issue 13).
 
     # on any machine with nvcc (no GPU): variants from git revisions or files, cubins cached
     python benchmarks/kernel_ab.py prepare --out ab --rev before=0b9c9c1 --file mine=/tmp/x.cu \
-        --patch parts=/tmp/change.patch
+        --patch parts=/tmp/change.patch --patch both=/tmp/a.patch+/tmp/b.patch
     # on the GPU, the project importable (README), ``ab`` carried: bits against the first, times
     python benchmarks/kernel_ab.py run --dir ab --check [1,9] --times [1,16] \
         [--names shipped,before] [--shapes 8192^2,qkv] [--no-linear]
@@ -67,14 +67,15 @@ def prepare(out: Path, revs: list[str], files: list[str], patches: list[str]) ->
         name, path = spec.split("=", 1)
         variants[name] = Path(path).read_text()
     for spec in patches:
-        name, path = spec.split("=", 1)
+        name, paths = spec.split("=", 1)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "kernels").mkdir()
             (Path(tmp) / "kernels" / SOURCE).write_text(variants["shipped"])
-            subprocess.run(
-                ["git", "apply", f"--include=kernels/{SOURCE}", str(Path(path).resolve())],
-                cwd=tmp, check=True,
-            )  # fmt: skip
+            for path in paths.split("+"):  # several patches, applied in order
+                subprocess.run(
+                    ["git", "apply", f"--include=kernels/{SOURCE}", str(Path(path).resolve())],
+                    cwd=tmp, check=True,
+                )  # fmt: skip
             variants[name] = (Path(tmp) / "kernels" / SOURCE).read_text()
     (out / "variants").mkdir(parents=True, exist_ok=True)
     os.environ["MINITE_CACHE_DIR"] = str(out / "cache")
@@ -238,7 +239,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rev", action="append", default=[], help="NAME=GIT_REVISION")
     p.add_argument("--file", action="append", default=[], help="NAME=PATH of a .cu copy")
-    p.add_argument("--patch", action="append", default=[], help="NAME=PATH of a patch to apply")
+    p.add_argument(
+        "--patch", action="append", default=[],
+        help="NAME=PATH[+PATH...]: the working tree's kernel with these patches applied in order",
+    )  # fmt: skip
     r = sub.add_parser("run", help="bits and times on the GPU")
     r.add_argument("--dir", type=Path, required=True)
     r.add_argument("--names", default="", help="comma-separated subset (default: all, in order)")
