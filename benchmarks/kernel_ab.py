@@ -20,12 +20,12 @@ more CTAs, K % 512 == 256 and N % 64 != 0, M = 1-16, float32 and BF16 out, heavy
 and zero / NaN / Inf activation entries, and through ``w4a4_linear``. ``--times``: graph-replay
 medians (``gemm.py``'s ``Shape``: weights rotated past L2), best of two rounds, per shape and M;
 ratios print against the first variant and cuBLAS; a line per shape shows, as it goes, which
-variant is being timed. A fresh machine spends minutes compiling Triton kernels (the operands'
-quantize kernels, ``w4a4_linear``'s; a new M can compile again, as Triton specializes on
-arguments; H100, 2026-12-06: three variants over five shapes at M = 1 and 8 took ~9 min in
-all): write the output to a file as it comes. ``run`` keeps Triton's cache in ``build/triton``
-(unless ``TRITON_CACHE_DIR`` is set), an ignored folder of the tree, which the GPU machine keeps
-between calls while it is held.
+variant is being timed. On a fresh H100 (2026-12-06) ``--check 1,2,9,16`` and then ``--times
+1,8,16 --no-linear`` of two variants over the five shapes took 30 s in all, Triton's compiles
+included; a timing-only build that never finishes holds a run at its shape (the progress line
+shows which): run it under ``timeout``, the output to a file as it comes. ``run`` keeps Triton's
+cache in ``build/triton`` (unless ``TRITON_CACHE_DIR`` is set), an ignored folder of the tree,
+which the GPU machine keeps between calls while it is held.
 """
 
 from __future__ import annotations
