@@ -770,6 +770,17 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       : "memory");
 }
 
+// The same with the source's L2 lines marked first to evict: data read once per launch (the
+// streamed kernel's weight), which then leaves L2 to the partials and the activation.
+__device__ __forceinline__ void bulk_copy_once(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
+      "%2, [%3], pol;\n}\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void wgmma_ss(Acc<32>& c, u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(WGMMA_HEAD(18) "32k16.f32.bf16.bf16 {"
                "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
@@ -1362,8 +1373,8 @@ __device__ __forceinline__ void unit_copy(const Params& p, int u, int n_folds, i
   const int f = u % n_folds, n_ch = min(FOLD_CHUNKS, k_chunks - f * FOLD_CHUNKS);
   const unsigned char* src = (const unsigned char*)p.w_words + (long long)u * 18432;
   mbar_expect_tx(full, n_ch * (4608 + (IMAGE ? BM * 256 : 0)));
-  bulk_copy(stage, src, n_ch * 4096, full);
-  bulk_copy(stage + S::W_CODES, src + S::W_CODES, n_ch * 512, full);
+  bulk_copy_once(stage, src, n_ch * 4096, full);
+  bulk_copy_once(stage + S::W_CODES, src + S::W_CODES, n_ch * 512, full);
   if (IMAGE)
     bulk_copy(stage + S::W_CODES + S::W_SCALES,
               p.a_image + (long long)f * FOLD_CHUNKS * (BM * 256), n_ch * BM * 256, full);
@@ -1541,11 +1552,12 @@ __device__ __forceinline__ void stream_unit(const unsigned char* stage, u32 stag
 // (BM = 8) with at least STREAM_MANY_UNITS units per CTA, column-major: element i of a consumer
 // thread at batch column r = 8 (i / 4) + 2 t + (i % 2), then the 64 weight rows, so the columns
 // inside M are a prefix (M x 256 bytes; only those are stored and folded, a warp's eight rows g
-// of one column in one 32-byte sector). Otherwise thread-major, BM / 2 floats per thread (16-byte
-// stores and loads). H100, same run: column-major 1.04-1.06x at M = 1-2 on 8192^2, 4096 x 12288
-// and 28672 x 4096 (11-27 units per CTA), 0.97-0.98x at M = 1 on 5120 x 2048 and 2048 x 4096 (2-3
-// units per CTA, where the wider fold's instructions sit on the short kernel's tail), no gain at
-// M = 4 (benchmarks/RESULTS.md).
+// of one column in one 32-byte sector). Otherwise by 16-byte piece: a thread's piece e (elements
+// 4e .. 4e + 3) at (e x 128 + thread) x 16 bytes, so that a warp's 16-byte stores and loads cover
+// whole 32-byte sectors (512 contiguous bytes), at BM = 16 too. H100, same run: column-major
+// 1.04-1.06x at M = 1-2 on 8192^2, 4096 x 12288 and 28672 x 4096 (11-27 units per CTA),
+// 0.97-0.98x at M = 1 on 5120 x 2048 and 2048 x 4096 (2-3 units per CTA, where the wider fold's
+// instructions sit on the short kernel's tail), no gain at M = 4 (benchmarks/RESULTS.md).
 #define STREAM_LIVE_M 2
 template <int BM>
 __device__ __forceinline__ bool live_columns(const Params& p, bool many_units) {
@@ -1558,7 +1570,7 @@ __device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
 
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
 // the tile's arrivals): R partials in flight, then added in order. `live`: column-major slots,
-// only the columns inside M, 16 in flight (one round up to K = 8192); else thread-major, 4.
+// only the columns inside M, 16 in flight (one round up to K = 8192); else by piece, 4.
 template <int BM>
 __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_folds, bool live,
                                             int tid, const float* a_dec) {
@@ -1567,8 +1579,7 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
   if (!live) {
-    const float4* col =
-        (const float4*)(p.partials + ((long long)tile * n_folds * 128 + tid) * (BM / 2));
+    const float4* col = (const float4*)p.partials + (long long)tile * n_folds * 16 * BM + tid;
     for (int f0 = 0; f0 < n_folds; f0 += 4) {
       float v[4][BM / 2];
 #pragma unroll
@@ -1576,7 +1587,7 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
         if (f0 + j < n_folds) {
 #pragma unroll
           for (int e = 0; e < BM / 8; ++e) {
-            const float4 x = __ldcg(col + (long long)(f0 + j) * 128 * (BM / 8) + e);
+            const float4 x = __ldcg(col + (long long)(f0 + j) * 16 * BM + 128 * e);
             v[j][4 * e] = x.x; v[j][4 * e + 1] = x.y; v[j][4 * e + 2] = x.z; v[j][4 * e + 3] = x.w;
           }
         }
@@ -1685,10 +1696,10 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       for (int i = 0; i < BM / 2; ++i)
         if (partial_column(i, t) < p.M) __stcg(mine + partial_slot(i, warp, g, t), part.d[i]);
     } else {
-      float4* mine = (float4*)(p.partials + ((long long)u * 128 + tid) * (BM / 2));
+      float4* mine = (float4*)p.partials + (long long)u * 16 * BM + tid;
 #pragma unroll
       for (int e = 0; e < BM / 8; ++e)
-        mine[e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+        mine[128 * e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
     }
     ++run;
     const int next = u + NWG;
