@@ -7,7 +7,9 @@ NVFP4 emulation (dequantize both operands, then a BF16 matmul). Times are median
 replays; each timed replay cycles through as many weight copies as make the NVFP4 copies at least
 twice the GPU's L2 (``rotations``; at least ``ROTATE``), and the grouped experts through as many
 routings, so that no peer's weight stays in L2 from one call to the next.
-Writes ``results.json`` and ``results.md`` to ``--out`` and prints the ratio table last.
+Writes ``results.json`` and ``results.md`` to ``--out`` (``results-<parts>.*`` with ``--only``
+naming fewer than all parts, so that runs of different parts into one folder keep each other's
+files) and prints the ratio table last.
 """
 
 from __future__ import annotations
@@ -370,13 +372,20 @@ def fmt(v: float | None) -> str:
     return f"{v:.1f}" if v else "n/a"
 
 
+PARTS = ("square", "qwen", "grouped", "quantize")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="bitwise checks before timing")
     parser.add_argument("--variants", action="store_true", help="also time tile/decode variants")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder")
-    parser.add_argument("--only", default="square,qwen,grouped,quantize")
+    parser.add_argument("--only", default=",".join(PARTS), help="parts to run, comma-separated")
     args = parser.parse_args()
+    parts = [part for part in PARTS if part in args.only.split(",")]
+    unknown = set(args.only.split(",")) - set(PARTS)
+    if unknown or not parts:
+        parser.error(f"--only takes parts of {','.join(PARTS)}; got {args.only!r}")
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -388,7 +397,6 @@ def main() -> int:
     print(f"copy bandwidth {results['copy_bw'] / 1e12:.2f} TB/s", flush=True)
     if args.check:
         run_checks(results)
-    parts = args.only.split(",")
     for part, fn in (("square", lambda: bench_square(results, args.variants)),
                      ("qwen", lambda: bench_qwen(results)),
                      ("grouped", lambda: bench_grouped(results)),
@@ -398,9 +406,10 @@ def main() -> int:
             fn()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    stem = "results" if len(parts) == len(PARTS) else "results-" + "-".join(parts)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     md = table(results)
-    (out / "results.md").write_text(md + "\n")
+    (out / f"{stem}.md").write_text(md + "\n")
     print(md)
     return 0
 
