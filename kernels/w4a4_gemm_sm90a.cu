@@ -1567,6 +1567,12 @@ __device__ __forceinline__ int partial_column(int i, int t) { return 8 * (i >> 2
 __device__ __forceinline__ int partial_slot(int i, int warp, int g, int t) {
   return partial_column(i, t) * ROWS + 16 * warp + g + ((i & 2) ? 8 : 0);
 }
+// By piece: unit u's piece e of consumer thread tid, in float4s from p.partials (a unit holds
+// 128 threads x BM / 8 pieces).
+template <int BM>
+__device__ __forceinline__ long long partial_piece(long long u, int e, int tid) {
+  return u * 16 * BM + 128 * e + tid;
+}
 
 // Fold tile `tile`'s partials in chunk order and store its outputs (the warpgroup that completed
 // the tile's arrivals): R partials in flight, then added in order. `live`: column-major slots,
@@ -1579,7 +1585,9 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc.d[i] = 0.f;
   if (!live) {
-    const float4* col = (const float4*)p.partials + (long long)tile * n_folds * 16 * BM + tid;
+    // this thread's first piece of the tile's first unit
+    const float4* col =
+        (const float4*)p.partials + partial_piece<BM>((long long)tile * n_folds, 0, tid);
     for (int f0 = 0; f0 < n_folds; f0 += 4) {
       float v[4][BM / 2];
 #pragma unroll
@@ -1587,7 +1595,7 @@ __device__ __forceinline__ void stream_fold(const Params& p, int tile, int n_fol
         if (f0 + j < n_folds) {
 #pragma unroll
           for (int e = 0; e < BM / 8; ++e) {
-            const float4 x = __ldcg(col + (long long)(f0 + j) * 16 * BM + 128 * e);
+            const float4 x = __ldcg(col + partial_piece<BM>(f0 + j, e, 0));
             v[j][4 * e] = x.x; v[j][4 * e + 1] = x.y; v[j][4 * e + 2] = x.z; v[j][4 * e + 3] = x.w;
           }
         }
@@ -1696,10 +1704,10 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
       for (int i = 0; i < BM / 2; ++i)
         if (partial_column(i, t) < p.M) __stcg(mine + partial_slot(i, warp, g, t), part.d[i]);
     } else {
-      float4* mine = (float4*)p.partials + (long long)u * 16 * BM + tid;
+      float4* parts = (float4*)p.partials;
 #pragma unroll
       for (int e = 0; e < BM / 8; ++e)
-        mine[128 * e] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
+        parts[partial_piece<BM>(u, e, tid)] = make_float4(part.d[4 * e], part.d[4 * e + 1], part.d[4 * e + 2], part.d[4 * e + 3]);
     }
     ++run;
     const int next = u + NWG;
