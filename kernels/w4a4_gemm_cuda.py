@@ -96,7 +96,9 @@ STREAM_MIN_WEIGHT = 1 << 23
 #: previous default there, took 1.18-1.85x the time of these plans in `w4a4_linear` (22 weights of
 #: 0.4-7.3 Mi elements, M = 9 / 16; benchmarks/NOTES_kernels.md, twentieth session).
 IMAGE_MIN_M = 8
-_STREAM_RING_BYTES = 200704
+#: The streamed kernel's ring: a multiple of its consumer warpgroups (2, 3), one per stage
+#: (``StreamShape::STAGES`` in the CUDA source says why).
+_STREAM_STAGES = 6
 #: The streamed kernel's batch tile that has an image-reading variant (w4a4_linear, 8 < M <= 16).
 _STREAM_IMAGE_BLOCK_M = 16
 #: The streamed kernel's rows variant (``w4a4_stream_rows_*``): the kernel quantizes BF16 rows
@@ -250,13 +252,10 @@ class Plan(NamedTuple):
             return self.per_split * self.block_m * 1024
         if self.family == "stream":  # stages (weight tile, decoded activation), barriers, flags
             # (the canonical layout's stage pads rows of codes to 288 bytes; the unit layout's is
-            # 2 KB smaller, as many stages fit); the rows variant's codes of the rows; the part
-            # counters
+            # 2 KB smaller); the rows variant's codes of the rows; the part counters
             stage = ROWS * (288 + 32) + self.block_m * 1024
             quant = _STREAM_QUANT_BYTES if self.quantizes_rows(rows) else 0
-            return (
-                min(7, _STREAM_RING_BYTES // stage) * (stage + 16) + 16 + quant + _STREAM_PART_BYTES
-            )
+            return _STREAM_STAGES * (stage + 16) + 16 + quant + _STREAM_PART_BYTES
         if self.family in _WIDE:  # stages (weight codes, activation chunk), barriers, a flag;
             # a cluster's partial slots and their barriers; stream-K's 16-bit output tile
             # (WideShape)

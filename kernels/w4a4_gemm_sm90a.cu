@@ -1209,7 +1209,16 @@ struct StreamShape {
   static constexpr int W_SCALES = ROWS * 32;
   static constexpr int B_BYTES = BM * 1024;  // the fold chunk's activation, decoded (wgmma B)
   static constexpr int STAGE = W_CODES + W_SCALES + B_BYTES;
-  static constexpr int STAGES = 200704 / STAGE < 7 ? 200704 / STAGE : 7;  // w4a4_gemm_cuda.py
+  // Unit i goes into stage i % STAGES and to consumer warpgroup i % NWG. STAGES is a multiple of
+  // every NWG (2, 3), so each stage has one consumer warpgroup, which takes its rounds in order:
+  // when it waits on a stage's full barrier for round r, it has itself consumed round r - 1. With
+  // stages shared round-robin (the earlier 5 or 7), a warpgroup could wait on round r while round
+  // r - 1's copies, another warpgroup's unit, were still landing; the parity wait then read that
+  // barrier's phase r - 2 as complete, took the stage early and unbalanced its empty barrier: a
+  // rare hang (and stale data). 6 stages of the largest stage (BM = 16, canonical rows: 36 KB)
+  // plus the barriers, flags and the rows area fit the 227 KB of shared memory.
+  // w4a4_gemm_cuda.py: Plan.smem.
+  static constexpr int STAGES = 6;
 };
 
 // This thread's weight data of chunk c of a stage: rows r0 = 16 warp + g and r0 + 8, words
@@ -1646,6 +1655,7 @@ __device__ __forceinline__ void gemm_stream(const Params& p) {
   // per CTA part of a tile (a ring: parts in flight span at most the stages and the warpgroups'
   // units), its units counted so far
   int* part_counts = (int*)(rows_area + (QUANT ? STREAM_QROWS_BYTES : 0));
+  static_assert(S::STAGES % NWG == 0, "one consumer warpgroup per stage (StreamShape)");
   const int n_folds = (p.K + 511) / 512, k_chunks = p.K / 128;
   const int units = ((p.N + ROWS - 1) / ROWS) * n_folds;
   const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);

@@ -176,6 +176,15 @@ def test_cuda_kernel_names_match_the_source() -> None:
     assert quant.smem(rows=True) - quant.smem() == w4a4_gemm_cuda._STREAM_QUANT_BYTES
     assert quant.smem(rows=True) <= 227 * 1024  # Hopper's most per CTA
     assert stream.smem(rows=True) == stream.smem()
+    # the ring has one consumer warpgroup per stage (StreamShape::STAGES), and every streamed
+    # plan's shared memory fits a Hopper CTA
+    stages = re.search(r"struct StreamShape \{.*?STAGES = (\d+);", source.read_text(), re.S)
+    assert stages and int(stages.group(1)) == w4a4_gemm_cuda._STREAM_STAGES
+    for wgs in w4a4_gemm_cuda._STREAM_WARPGROUPS:
+        assert w4a4_gemm_cuda._STREAM_STAGES % wgs == 0
+        for bm in w4a4_gemm_cuda._STREAM_BLOCK_MS:
+            plan = w4a4_gemm_cuda.Plan("stream", bm, 1, 1, wgs)
+            assert max(plan.smem(), plan.smem(rows=True)) <= 227 * 1024, plan
     defines = dict(re.findall(r"#define (STREAM_QROWS_\w+) (\d+)", source.read_text()))
     assert int(defines["STREAM_QROWS_MAX"]) == w4a4_gemm_cuda.STREAM_QUANT_MAX
     assert int(defines["STREAM_QROWS_BYTES"]) == w4a4_gemm_cuda._STREAM_QUANT_BYTES

@@ -839,3 +839,52 @@ def test_quantized_rows_gemm_same_bits_as_quantize_then_gemm(
             graph.replay()
             want = nvfp4_gemm(quantize_nvfp4(x), w)
             assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, kind)
+
+
+_RING_STRESS = """
+import torch
+from minite_common import quantize_nvfp4, w4a4_linear, with_kernel_layout
+from minite_kernels import w4a4_gemm_cuda as cu
+g = torch.Generator(device="cuda").manual_seed(7)
+n, k = 28672, 4096  # about 27 units per CTA on 132 SMs: six rounds of the ring per launch
+ws = [
+    with_kernel_layout(quantize_nvfp4(
+        torch.randn(n, k, device="cuda", generator=g).bfloat16(), amax="tensor", block_2d=True))
+    for _ in range(2)
+]
+for m in (9, 16, 4):
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    how = cu.rows_plan(x, ws[0], torch.bfloat16) or cu.plan(m, n, k, 132, stream=True)
+    assert how.family == "stream" and how.warpgroups == 3, how
+    want = [w4a4_linear(x, w) for w in ws]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w4a4_linear(x, ws[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [w4a4_linear(x, ws[i % 2]) for i in range(200)]
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, y in enumerate(outs):
+        assert torch.equal(y.view(torch.int16), want[i % 2].view(torch.int16)), (m, i)
+print("ok")
+"""
+
+
+def test_streamed_ring_survives_many_back_to_back_launches() -> None:
+    """The streamed kernel's ring under 30000 back-to-back graph-replayed launches (M = 9 and 16:
+    the image variant after its image pass; M = 4: the producer decoding the activation) on a
+    weight whose CTAs take about six rounds of the ring: every launch ends (a child process
+    under a time limit, so a hang fails here instead of stalling the suite) with the eager
+    bits. With the stages shared round-robin by the consumer warpgroups (5 stages, 3
+    warpgroups) the first 10000 launches at M = 9 hung on an H100 (2026-12-06)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _RING_STRESS], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
