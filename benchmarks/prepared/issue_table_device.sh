@@ -3,15 +3,10 @@
 # gemm.py's square and Qwen3-30B-A3B parts (w4a4_linear and the GEMM against cuBLAS BF16, graph
 # replay, weights rotated past L2), then decode_step.py. Each part under its own time limit, so
 # that a slow part leaves the others' figures in $OUT (sq/, qw/, ds/). ~6-8 minutes in all.
-# Carry `ab` (made by stream_ring_device.sh's `prepare` command): its cache holds the shipped
-# cubin, so the device spends no time in nvcc.
+# Carry `ab` (made by stream_ring_device.sh's `prepare` command; see device_env.sh).
 set -u
-mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/minite_kernels
-export PYTHONPATH=$PWD:/tmp/pk TRITON_CACHE_DIR=$PWD/build/triton MINITE_CACHE_DIR=$PWD/ab/cache
-export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+source benchmarks/prepared/device_env.sh
 mkdir -p "$OUT/sq" "$OUT/qw" "$OUT/ds"
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
 timeout -s ABRT 240 python3 benchmarks/gemm.py --only square --out "$OUT/sq" 2>&1 | tail -40
 date -u | tee -a "$OUT/gpu.txt"
 timeout -s ABRT 150 python3 benchmarks/gemm.py --only qwen --out "$OUT/qw" 2>&1 | tail -30

@@ -15,11 +15,7 @@
 # 7 -> 6 at M <= 8). Every step has its own time limit; the whole fits one 600 s call (~4 min
 # when nothing hangs); then, in a second call, issue_table_device.sh.
 set -u
-mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/minite_kernels
-export PYTHONPATH=$PWD:/tmp/pk TRITON_CACHE_DIR=$PWD/build/triton MINITE_CACHE_DIR=$PWD/ab/cache
-export PYTHONFAULTHANDLER=1  # a hang cut by `timeout -s ABRT` prints where Python waited
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
+source benchmarks/prepared/device_env.sh
 timeout 200 python3 -m pytest -q tests/gpu/test_gpu_kernels.py -k ring 2>&1 | tail -3 |
   tee "$OUT/stress.txt"
 ab="python3 -u benchmarks/kernel_ab.py run --dir ab"

@@ -852,9 +852,9 @@ ws = [
         torch.randn(n, k, device="cuda", generator=g).bfloat16(), amax="tensor", block_2d=True))
     for _ in range(2)
 ]
+sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m in (9, 16, 4):
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     how = cu.rows_plan(x, ws[0], torch.bfloat16) or cu.plan(m, n, k, sms, stream=True)
     assert how.family == "stream" and how.warpgroups == 3, how
     want = [w4a4_linear(x, w) for w in ws]
@@ -878,7 +878,7 @@ print("ok")
 def test_streamed_ring_survives_many_back_to_back_launches() -> None:
     """The streamed kernel's ring under 30000 back-to-back graph-replayed launches (M = 9 and 16:
     the image variant after its image pass; M = 4: the producer decoding the activation) on a
-    weight whose CTAs take about six rounds of the ring: every launch ends (a child process
+    weight whose CTAs take about five rounds of the ring: every launch ends (a child process
     under a time limit, so a hang fails here instead of stalling the suite) with the eager
     bits. With the stages shared round-robin by the consumer warpgroups (5 stages, 3
     warpgroups) the first 10000 launches at M = 9 hung on an H100 (2026-12-06)."""
