@@ -7,7 +7,8 @@
 #   bash benchmarks/prepared/gpu_suite_device.sh tests/gpu --ignore=tests/gpu/test_gpu_kernels.py
 # The strict end-to-end test needs Megatron-Core: download its wheel here and carry build/wheels
 # (the device has no network), e.g.
-#   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: -d build/wheels
+#   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: \
+#     -d build/wheels
 # Carrying `ab` (kernel_ab.py prepare) saves the CUDA kernels' compiles; see device_env.sh.
 set -u
 source benchmarks/prepared/device_env.sh
