@@ -5,11 +5,12 @@
 Where ``minite_kernels.quantized_rows_gemm`` serves a weight with its kernel layout (at M = 1 and
 K <= ``w4a4_gemm_cuda.STREAM_QUANT_MAX`` the streamed kernel quantizes the row itself: one
 launch; at 8 < M <= 256 an activation pass quantizes the rows into the GEMM's operand image),
-against the two launches it replaces (``quantize_nvfp4`` then ``nvfp4_gemm``) and
-cuBLAS BF16, all in one process: bits compared first (normal, heavy-tailed, NaN / Inf / zero and
-tiny rows), then CUDA-graph replays over enough weight copies to leave L2, the three peers
-alternated three times, medians. Prints per (shape, M) the times and the ratios; writes
-``rows_ab.json`` to ``--out``. Points the fused path does not serve are skipped.
+against the two launches it replaces (``quantize_nvfp4`` then ``nvfp4_gemm``), that GEMM alone on
+the quantized activation, and cuBLAS BF16, all in one process: bits compared first (normal,
+heavy-tailed, NaN / Inf / zero and tiny rows), then CUDA-graph replays over enough weight copies
+to leave L2, the four peers alternated three times, medians. Prints per (shape, M) the times and
+the ratios; writes ``rows_ab.json`` to ``--out``. Points the fused path does not serve are
+skipped.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def bench_point(name: str, n: int, k: int, m: int, wb: list, wq: list) -> dict |
             want = nvfp4_gemm(quantize_nvfp4(xx), w)
             if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
                 raise AssertionError(f"{name} M={m}: the fused path's bits differ")
+    a = quantize_nvfp4(x)
     peers = {
         "two launches": lambda: [nvfp4_gemm(quantize_nvfp4(x), w) for w in wq],
+        "GEMM alone": lambda: [nvfp4_gemm(a, w) for w in wq],
         "fused": lambda: [quantized_rows_gemm(x, w, None, torch.bfloat16) for w in wq],
         "cuBLAS BF16": lambda: [x @ w.t() for w in wb],
     }
@@ -87,8 +90,11 @@ def main() -> int:
     torch.manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
-    print("| shape | M | cuBLAS BF16 us | two launches us | fused us | two / fused | vs cuBLAS |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| shape | M | cuBLAS BF16 us | GEMM alone us | two launches us | fused us | two / fused "
+        "| vs cuBLAS |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, n, k in SHAPES:
         copies = rotations(nvfp4_bytes(n, k))
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -101,7 +107,8 @@ def main() -> int:
             us = row["us"]
             cub, two, fused = us["cuBLAS BF16"], us["two launches"], us["fused"]
             print(
-                f"| {name} {n}x{k} | {m} | {cub:.2f} | {two:.2f} | {fused:.2f} | "
+                f"| {name} {n}x{k} | {m} | {cub:.2f} | {us['GEMM alone']:.2f} | {two:.2f} | "
+                f"{fused:.2f} | "
                 f"{two / fused:.3f} | {cub / two:.2f}x -> {cub / fused:.2f}x |",
                 flush=True,
             )
