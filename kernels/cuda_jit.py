@@ -278,9 +278,9 @@ _MODULES: dict[tuple[str, int, tuple[str, ...]], dict[str, Kernel]] = {}
 def load(
     source_file: str, names: list[str], device: torch.device, defines: tuple[str, ...] = ()
 ) -> dict[str, Kernel]:
-    """Kernels ``names`` of the CUDA C++ file ``source_file`` (beside this module), compiled for
-    ``device``'s architecture with the preprocessor ``defines`` and loaded into its primary
-    context; cached per process."""
+    """Kernels ``names`` of the CUDA C++ file ``source_file`` (beside this module, or an absolute
+    path: the benchmarks' probes), compiled for ``device``'s architecture with the preprocessor
+    ``defines`` and loaded into its primary context; cached per process."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (source_file, index, defines)
     with _LOCK:
@@ -290,7 +290,7 @@ def load(
         arch = f"sm_{major}{minor}a" if major == 9 else f"sm_{major}{minor}"
         source = "".join(f"#define {d}\n" for d in defines)
         source += (Path(__file__).parent / source_file).read_text()
-        cubin = compile_cubin(source, source_file, arch)
+        cubin = compile_cubin(source, Path(source_file).name, arch)
         drv = _driver()
         with torch.cuda.device(index):
             torch.zeros(1, device=f"cuda:{index}")  # torch's primary context, current here
