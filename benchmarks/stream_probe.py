@@ -9,7 +9,8 @@ cuBLAS reads its BF16 weight at ~2.8 and ~4.0 TB/s (benchmarks/RESULTS.md, forty
 session). This probe times streams that do no work on the data (``benchmarks/stream_probe.cu``):
 the same bulk-copy ring with more stages, smaller or larger units, units dealt round-robin, the
 L2 evict-first hint, two CTAs per SM; plain 16-byte loads by every thread; ``torch.sum`` over the
-bytes; and, in the same process, cuBLAS BF16 and the shipped GEMM at M = 1 on that shape. Times
+bytes; the ring and the loads again over four times the bytes (the rate without the launch's fixed
+cost); and, in the same process, cuBLAS BF16 and the shipped GEMM at M = 1 on that shape. Times
 are medians of CUDA-graph replays over copies rotated past twice the L2 (as ``gemm.py``); prints
 us and TB/s per line, writes ``stream_probe.json`` to ``--out``.
 """
@@ -54,8 +55,10 @@ def loads(threads: int, ctas_per_sm: int) -> dict:
     return {"kernel": "probe_loads", "threads": threads, "ctas_per_sm": ctas_per_sm}
 
 
+SHIPPED_RING = "bulk 18 KB x 6 stages (the shipped ring)"
+LONG = 4
 VARIANTS = {
-    "bulk 18 KB x 6 stages (the shipped ring)": bulk(UNIT, 6),
+    SHIPPED_RING: bulk(UNIT, 6),
     "bulk 18 KB x 6, evict-first (as shipped)": bulk(UNIT, 6, evict_first=True),
     "bulk 18 KB x 11": bulk(UNIT, 11),
     "bulk 18 KB x 6, units round-robin": bulk(UNIT, 6, interleave=True),
@@ -91,27 +94,40 @@ def main() -> int:
 
     print(f"{torch.cuda.get_device_name(device)}, {sms} SMs, {len(copies)} copies of {TOTAL} B")
     print("| stream | us | TB/s |\n|---|---|---|")
-    for name, v in VARIANTS.items():
-        unit = v.get("unit", UNIT)
+
+    def stream(name: str, v: dict, buffers: list[torch.Tensor]) -> None:
+        unit, nbytes = v.get("unit", UNIT), buffers[0].numel()
         grid = sms * v["ctas_per_sm"]
         threads = v.get("threads", 32)
         smem = unit * v.get("stages", 0)
         params = [
-            Params(c.data_ptr(), sink.data_ptr(), TOTAL // unit, unit, v.get("stages", 0),
+            Params(c.data_ptr(), sink.data_ptr(), nbytes // unit, unit, v.get("stages", 0),
                    int(v.get("interleave", False)), int(v.get("evict_first", False)))
-            for c in copies
+            for c in buffers
         ]  # fmt: skip
         kernel = kernels[v["kernel"]]
 
-        def run(kernel=kernel, grid=grid, threads=threads, smem=smem, params=params):
+        def run() -> None:
             for p in params:
                 kernel.launch((grid, 1, 1), threads, smem, p, device)
 
-        report(name, bench_us(run, len(params)))
-    words = [c.view(torch.int32) for c in copies]
-    report("torch.sum over the int32 words", bench_us(lambda: [w.sum() for w in words], len(words)))
+        report(name, bench_us(run, len(params)), nbytes)
+
+    for name, v in VARIANTS.items():
+        stream(name, v, copies)
+    floats = [c.view(torch.float32) for c in copies]
+    summed = bench_us(lambda: [f.sum() for f in floats], len(floats))
+    report("torch.sum over the float32 words", summed)
     copies.clear()
-    words.clear()
+    floats.clear()
+    # the same streams over LONG x the bytes: what the rate is once a launch's fixed cost is spread
+    big = [
+        torch.randint(0, 256, (LONG * TOTAL,), dtype=torch.uint8, device=device)
+        for _ in range(rotations(LONG * TOTAL))
+    ]
+    for name in (SHIPPED_RING, "loads 512 threads x 4 CTAs per SM"):
+        stream(f"{name}, {LONG}x the bytes", VARIANTS[name], big)
+    big.clear()
     s = Shape(1, 8192, 8192)
     report("cuBLAS BF16, M = 1 (reads 134 MB)", bench_us(s.cublas(), s.rotate), 2 * 8192 * 8192)
     report("shipped nvfp4_gemm, M = 1", bench_us(s.ours(), s.rotate))
