@@ -4,10 +4,8 @@
 # against main, bits then times; on an H200 also the bare-stream probe and the timing builds of
 # the forty-sixth session; last, the patch applied to this copy of the tree and the streamed GPU
 # tests on it. Prepare here first (no GPU, a minute), the tree clean:
-#   P=benchmarks/prepared; T=$(mktemp -d); mkdir $T/kernels
-#   cp kernels/w4a4_gemm_sm90a.cu $T/kernels/ && (cd $T && git init -q && git apply \
-#     --include=kernels/w4a4_gemm_sm90a.cu $OLDPWD/$P/stream_turn_sums.patch)
-#   python benchmarks/kernel_ab.py prepare --out ab --file turns=$T/kernels/w4a4_gemm_sm90a.cu \
+#   P=benchmarks/prepared; python benchmarks/kernel_ab.py prepare --out ab \
+#     --patch turns=$P/stream_turn_sums.patch \
 #     --patch nopart=$P/stream_probe_nopart.patch --patch nocompute=$P/stream_probe_nocompute.patch \
 #     --patch bare=$P/stream_probe_nopart.patch+$P/stream_probe_noact.patch+$P/stream_probe_nocompute.patch \
 #     --patch nodecode=$P/stream_probe_nodecode.patch --patch nomma=$P/stream_probe_nomma.patch
