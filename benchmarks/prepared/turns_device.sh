@@ -9,13 +9,13 @@
 #     --patch nopart=$P/stream_probe_nopart.patch --patch nocompute=$P/stream_probe_nocompute.patch \
 #     --patch bare=$P/stream_probe_nopart.patch+$P/stream_probe_noact.patch+$P/stream_probe_nocompute.patch \
 #     --patch nodecode=$P/stream_probe_nodecode.patch --patch nomma=$P/stream_probe_nomma.patch
-# Device (carry ["ab"]): bash benchmarks/prepared/turns_device.sh
+# Device (carry ["ab"]): bash benchmarks/prepared/turns_device.sh (LEAN=1: no H200 probes)
 set -u
 source benchmarks/prepared/device_env.sh
 timeout -s ABRT 150 python3 benchmarks/kernel_ab.py run --dir ab --names shipped,turns \
   --check 1,2,9,16 --times 1,8,16 --no-linear > "$OUT/ab.log" 2>&1
 grep -v "^\[" "$OUT/ab.log" | tail -24
-if grep -q H200 "$OUT/gpu.txt"; then
+if [ -z "${LEAN:-}" ] && grep -q H200 "$OUT/gpu.txt"; then  # LEAN=1: bits, times, tests only
   (cd benchmarks && timeout -s ABRT 100 python3 stream_probe.py --out "$OUT/sp" 2>&1 | tail -14)
   timeout -s ABRT 150 python3 benchmarks/kernel_ab.py run --dir ab \
     --names shipped,nopart,nocompute,bare,nodecode,nomma --times 1,16 --no-linear \
