@@ -2,9 +2,10 @@
 // appended by the script to kernels/w4a4_gemm_sm90a.cu so that it runs the shipped functions:
 // each of a CTA's NWG warpgroups runs `units` units on a stage of fixed data in shared memory
 // (never refilled: no producer, no stream, no hand-off), and its thread 0 records the clock
-// cycles they took. MODE 0: the chains only (four chunks of eight m64n8k16 steps on fixed A
+// cycles they took, at BM = 8 and 16 batch columns. MODE 0: the chains only (four chunks of eight m64n8k16 steps on fixed A
 // fragments, each chunk awaited, as stream_unit does); 1: stream_unit itself (the unit layout's
-// reads, the decode, the chains); 2: the reads and the decode only.
+// reads, the decode, the chains). (A third mode, the reads and decode alone, timed ~50 cycles per
+// unit: the compiler had dropped most of the decode, so it is not here.)
 
 struct ConsumerProbe {
   unsigned long long* cycles;  // [grid][NWG]
@@ -12,9 +13,9 @@ struct ConsumerProbe {
   int units;
 };
 
-template <int MODE>
+template <int MODE, int BM>
 __device__ __forceinline__ void consumer_probe(const ConsumerProbe& q) {
-  using S = StreamShape<8, true>;
+  using S = StreamShape<BM, true>;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = (u32)__cvta_generic_to_shared(smem);
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, nwg = blockDim.x >> 7;
@@ -39,31 +40,21 @@ __device__ __forceinline__ void consumer_probe(const ConsumerProbe& q) {
   asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
   const long long t0 = clock64();
   for (int u = 0; u < q.units; ++u) {
-    Acc<8> part;
+    asm volatile("" ::: "memory");  // each unit reads the stage again (no hoisting)
+    Acc<BM> part;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) part.d[e] = 0.f;
+    for (int e = 0; e < BM / 2; ++e) part.d[e] = 0.f;
     if constexpr (MODE == 0) {
 #pragma unroll
       for (int c = 0; c < FOLD_CHUNKS; ++c) {
-        issue_chunk<8>(part, a, desc0 + (u64)(c * 8 * 8 * 2), c == 0);
+        issue_chunk<BM>(part, a, desc0 + (u64)(c * 8 * BM * 2), c == 0);
         wgmma_wait<0>();
       }
       fence_acc(part);
-    } else if constexpr (MODE == 1) {
-      stream_unit<8, true>(stage, stage_addr, FOLD_CHUNKS, tid, part);
     } else {
-      const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-      for (int c = 0; c < FOLD_CHUNKS; ++c) {
-        Raw raw;
-        unit_raw(stage, c, warp, lane, raw);
-        u32 o[8][4];
-        decode_raw(raw, o);
-#pragma unroll
-        for (int q2 = 0; q2 < 8; ++q2) part.d[q2 & 3] += __int_as_float((int)(o[q2][0] ^ o[q2][3]));
-      }
+      stream_unit<BM, true>(stage, stage_addr, FOLD_CHUNKS, tid, part);
     }
-    sink += part.d[0] + part.d[3];
+    sink += part.d[0] + part.d[3] + part.d[1] + part.d[2];
   }
   asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
   const long long t1 = clock64();
@@ -71,10 +62,12 @@ __device__ __forceinline__ void consumer_probe(const ConsumerProbe& q) {
   if (sink == 1234.5f) q.sink[threadIdx.x] = sink;  // the work is used
 }
 
-#define CONSUMER_PROBE(MODE)                                                         \
-  extern "C" __global__ void __launch_bounds__(512, 1) consumer_probe_##MODE(const ConsumerProbe q) { \
-    consumer_probe<MODE>(q);                                                         \
+#define CONSUMER_PROBE(MODE, BM)                                                           \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                     \
+      consumer_probe_##MODE##_m##BM(const ConsumerProbe q) {                               \
+    consumer_probe<MODE, BM>(q);                                                           \
   }
-CONSUMER_PROBE(0)
-CONSUMER_PROBE(1)
-CONSUMER_PROBE(2)
+CONSUMER_PROBE(0, 8)
+CONSUMER_PROBE(1, 8)
+CONSUMER_PROBE(0, 16)
+CONSUMER_PROBE(1, 16)

@@ -7,11 +7,11 @@ the split-K hand-off, and the three add up rather than hide one another
 (``benchmarks/RESULTS.md``, forty-sixth and forty-ninth sessions). This probe times the consumers
 alone: every CTA (one per SM) runs 1, 2 or 3 consumer warpgroups, each ``units`` times over one
 stage of fixed data in shared memory (``benchmarks/consumer_probe.cu``, appended to the shipped
-``kernels/w4a4_gemm_sm90a.cu`` so that it runs its very functions), in three modes: the wgmma
-chains alone, the shipped per-unit work (``stream_unit``: the unit layout's reads, the decode, the
-chains), the reads and decode alone. Prints, per mode and warpgroup count, cycles per unit per
-warpgroup (median over warpgroups) and the SM's units per microsecond, beside what the stream
-delivers (N = K = 8192: 15.5 units per SM in the bare stream's time, given with ``--stream-us``).
+``kernels/w4a4_gemm_sm90a.cu`` so that it runs its very functions), in two modes: the wgmma
+chains alone, and the shipped per-unit work (``stream_unit``: the unit layout's reads, the decode,
+the chains), each at 8 and 16 batch columns. Prints, per mode and warpgroup count, cycles per
+unit and warpgroup (median over warpgroups) and the SM's units per microsecond, beside what the
+stream delivers (N = K = 8192: 15.5 units per SM in the bare stream's time, ``--stream-us``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import itertools
 import json
 import sys
 import tempfile
@@ -33,8 +34,7 @@ SOURCES = (
     ROOT / "kernels" / "w4a4_gemm_sm90a.cu",
     Path(__file__).resolve().parent / "consumer_probe.cu",
 )
-STAGE = 16384 + 2048 + 8 * 1024  # StreamShape<8, unit layout>::STAGE
-MODES = {0: "wgmma chains only", 1: "stream_unit (reads, decode, chains)", 2: "reads + decode only"}
+MODES = {0: "wgmma chains only", 1: "stream_unit (reads, decode, chains)"}
 UNITS_8192 = 2048  # N = K = 8192's units of 64 rows x 512 K
 
 
@@ -57,40 +57,42 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "consumer_probe_full.cu")
         src.write_text("\n".join(p.read_text() for p in SOURCES))
-        kernels = cuda_jit.load(str(src), [f"consumer_probe_{m}" for m in MODES], device)
+        names = [f"consumer_probe_{m}_m{bm}" for m in MODES for bm in (8, 16)]
+        kernels = cuda_jit.load(str(src), names, device)
     sink = torch.zeros(512, dtype=torch.float32, device=device)
     per_sm = UNITS_8192 / sms
     print(f"{torch.cuda.get_device_name(device)}, {sms} SMs, {args.units} units per warpgroup")
     rate = per_sm / args.stream_us
     print(f"the stream: {rate:.2f} units / us per SM ({per_sm:.1f} in {args.stream_us} us)")
     print(
-        "| mode | warpgroups | us per launch | cycles per unit and warpgroup | units / us per SM"
-        " | 8192^2's units per SM take (us) |\n|---|---|---|---|---|---|"
+        "| mode | BM | warpgroups | us per launch | cycles per unit, warpgroup | units / us, SM"
+        " | 8192^2's units per SM take (us) |\n|---|---|---|---|---|---|---|"
     )
     results = []
-    for mode, label in MODES.items():
-        for nwg in (1, 2, 3):
-            cycles = torch.zeros(sms * nwg, dtype=torch.int64, device=device)
-            p = Probe(cycles.data_ptr(), sink.data_ptr(), args.units)
-            kernel = kernels[f"consumer_probe_{mode}"]
+    for (mode, label), bm, nwg in itertools.product(MODES.items(), (8, 16), (1, 2, 3)):
+        cycles = torch.zeros(sms * nwg, dtype=torch.int64, device=device)
+        p = Probe(cycles.data_ptr(), sink.data_ptr(), args.units)
+        kernel = kernels[f"consumer_probe_{mode}_m{bm}"]
+        stage = 16384 + 2048 + bm * 1024  # StreamShape<BM, unit layout>::STAGE
 
-            def run(kernel=kernel, nwg=nwg, p=p) -> None:
-                kernel.launch((sms, 1, 1), 128 * nwg, nwg * STAGE, p, device)
+        def run(kernel=kernel, nwg=nwg, p=p, stage=stage) -> None:
+            kernel.launch((sms, 1, 1), 128 * nwg, nwg * stage, p, device)
 
-            us = bench_us(run, graph=False)
-            per_unit = float(cycles.double().median()) / args.units
-            rate = nwg * args.units / us
-            results.append({"mode": label, "warpgroups": nwg, "us": us,
-                            "cycles_per_unit": per_unit, "units_per_us": rate})  # fmt: skip
-            cells = [
-                label,
-                nwg,
-                f"{us:.2f}",
-                f"{per_unit:.0f}",
-                f"{rate:.2f}",
-                f"{per_sm / rate:.2f}",
-            ]
-            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+        us = bench_us(run, graph=False)
+        per_unit = float(cycles.double().median()) / args.units
+        rate = nwg * args.units / us
+        results.append({"mode": label, "bm": bm, "warpgroups": nwg, "us": us,
+                        "cycles_per_unit": per_unit, "units_per_us": rate})  # fmt: skip
+        cells = [
+            label,
+            bm,
+            nwg,
+            f"{us:.2f}",
+            f"{per_unit:.0f}",
+            f"{rate:.2f}",
+            f"{per_sm / rate:.2f}",
+        ]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = {
