@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gemm import bench_us
+from gemm import bench_us, gpu_device
 from minite_kernels import cuda_jit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,11 +49,10 @@ def main() -> int:
                         help="the bare stream's time at N = K = 8192 (H100: 13.35 us)")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    found = gpu_device()
+    if found is None:
         return 1
-    device = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    device, sms = found
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "consumer_probe_full.cu")
         src.write_text("\n".join(p.read_text() for p in SOURCES))

@@ -53,6 +53,15 @@ MOE_TOKENS = (1, 16, 64, 256, 8192)
 EXPERTS, TOP_K = 128, 8
 
 
+def gpu_device() -> tuple[torch.device, int] | None:
+    """The current CUDA device and its SM count (for the probes); None, said on stderr, without."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def bench_us(fn, calls: int = 1, graph: bool = True) -> float:
     """Median microseconds of one of ``calls`` calls made by ``fn``, via CUDA-graph replay (or
     plain launches for code that cannot be captured; fine for runs of a millisecond or more)."""

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gemm import Shape, bench_us, rotations
+from gemm import Shape, bench_us, gpu_device, rotations
 from minite_kernels import cuda_jit
 
 UNIT = 18432  # the streamed GEMM's unit: 64 weight rows x 512 K (codes and scales)
@@ -75,11 +75,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    found = gpu_device()
+    if found is None:
         return 1
-    device = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    device, sms = found
     kernels = cuda_jit.load(str(SOURCE), ["probe_bulk", "probe_loads"], device)
     copies = [
         torch.randint(0, 256, (TOTAL,), dtype=torch.uint8, device=device)
