@@ -708,6 +708,56 @@ def stream_units(n: int, k: int) -> int:
     return triton.cdiv(n, ROWS) * triton.cdiv(k, FOLD)
 
 
+#: Where the unit layout stores each code bit of a canonical word pair (code words 2t, 2t + 1 of a
+#: row's 128-element chunk: nibble p of each is stream p's element). Stored word h (0, 1) holds
+#: streams 4h .. 4h + 3; its element e is nibble 4h + e // 2 of canonical word e % 2, and
+#: ``UNIT_CODE_BITS[e]`` gives the stored bit of that nibble's bits 0-3 (mantissa, exponent low,
+#: exponent high, sign). With this placement the kernel's ``decode_pair_unit`` builds stream
+#: 4h + i's BF16 pair (element bits on BF16 bits 6, 7, 8 and 15 of its half) from the stored word
+#: w as w, w << 6, w rotated left by 10, and w rotated left by 12 or shifted left by 4, each under
+#: a mask: 13 instructions per 8 codes with the scale multiplies, 7 of them on the integer pipe
+#: (18 and 10 for the canonical words).
+UNIT_CODE_BITS = (
+    (6, 7, 8, 15), (22, 23, 24, 31), (0, 1, 2, 9), (16, 17, 18, 25),
+    (28, 29, 30, 5), (12, 13, 14, 21), (26, 3, 4, 11), (10, 19, 20, 27),
+)  # fmt: skip
+
+
+def _unit_bit_moves() -> list[tuple[int, int]]:
+    """(shift, source mask) per distinct shift of a canonical pair's 64 bits (word 2t low) into
+    the stored pair: stored = OR of (pair & mask) shifted left by shift (right if negative)."""
+    moves: dict[int, int] = {}
+    for h in range(2):
+        for e, bits in enumerate(UNIT_CODE_BITS):
+            word, nibble = e % 2, 4 * h + e // 2
+            for b, dst in enumerate(bits):
+                src = 32 * word + 4 * nibble + b
+                shift = 32 * h + dst - src
+                moves[shift] = moves.get(shift, 0) | (1 << src)
+    return sorted(moves.items())
+
+
+_UNIT_BIT_MOVES = _unit_bit_moves()
+
+
+def unit_code_words(codes: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """Canonical codes uint8 [N, K/2] (K % 16 == 0) with each word pair's bits placed as the unit
+    layout stores them (``UNIT_CODE_BITS``), as a new tensor; made ``rows`` rows at a time."""
+    out = torch.empty_like(codes)
+    pairs, dst = codes.contiguous().view(torch.int64), out.view(torch.int64)
+    for r in range(0, codes.shape[0], rows):
+        x = pairs[r : r + rows]
+        acc = torch.zeros_like(x)
+        for shift, mask in _UNIT_BIT_MOVES:
+            piece = x & (mask - (1 << 64) if mask >> 63 else mask)  # as a signed 64-bit value
+            if shift >= 0:
+                acc |= piece << shift
+            else:  # arithmetic shift: drop the copies of the sign bit it brings in
+                acc |= (piece >> -shift) & ((1 << (64 + shift)) - 1)
+        dst[r : r + rows] = acc
+    return out
+
+
 def unit_layout(
     codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -717,26 +767,29 @@ def unit_layout(
     launch's unit order), rows past N and K zero. A unit holds the codes of its four 128-element
     chunks, then their scales, each in the order the consumer threads read them: per chunk c and
     warp w (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4), two 512-byte blocks of
-    16 bytes per lane (code words 2t, 2t + 1 of both rows, then words 2t + 8, 2t + 9), and at
-    16384 + (4 c + w) * 128 four scale bytes per lane (blocks t of both rows, then blocks t + 4).
+    16 bytes per lane (code words 2t, 2t + 1 of both rows, then words 2t + 8, 2t + 9; each such
+    pair's bits placed as ``UNIT_CODE_BITS`` says), and at 16384 + (4 c + w) * 128 four scale
+    bytes per lane (blocks t of both rows, then blocks t + 4).
 
-    ``out``: a layout of this shape to rewrite in place (it allocates only a 64-row tile, for a
-    last tile past N, so a refresh after a weight update cannot run out of memory half-way)."""
+    ``out``: a layout of this shape to rewrite in place (it allocates the codes with their bits
+    placed, and a 64-row tile for a last tile past N, before it writes any of it, so a refresh
+    after a weight update cannot run out of memory half-way)."""
     n, k = codes.shape[0], codes.shape[1] * 2
     if k % 256 or tuple(scales.shape) != (n, k // 16):
         raise ValueError(f"unit_layout: needs K % 256 == 0 and scales [N, K/16]; got N={n} K={k}")
     tiles, folds = triton.cdiv(n, ROWS), triton.cdiv(k, FOLD)
+    codes, scales = unit_code_words(codes), scales.contiguous().view(torch.uint8)
     if out is None:
         out = torch.zeros(tiles * folds * UNIT_BYTES, dtype=torch.uint8, device=codes.device)
     units = out.view(tiles, folds, UNIT_BYTES)
-    codes, scales = codes.contiguous(), scales.contiguous().view(torch.uint8)
     full = n // ROWS
-    _fill_units(units[:full], codes[: full * ROWS], scales[: full * ROWS])
     if full < tiles:  # the last tile, zero-padded to 64 rows
         rest = n - full * ROWS
         pad_codes = codes.new_zeros(ROWS, k // 2)
         pad_scales = scales.new_zeros(ROWS, k // 16)
         pad_codes[:rest], pad_scales[:rest] = codes[full * ROWS :], scales[full * ROWS :]
+    _fill_units(units[:full], codes[: full * ROWS], scales[: full * ROWS])
+    if full < tiles:
         _fill_units(units[full:], pad_codes, pad_scales)
     return out
 

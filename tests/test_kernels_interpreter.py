@@ -369,10 +369,25 @@ def test_decode_gemm_split_rule() -> None:
     assert _splits(8, 8 * 32, 3, 132) == 1  # 1536 -> 4096: two splits spare one chunk
 
 
+def _unit_pair(w0: int, w1: int) -> list[int]:
+    """A canonical code-word pair as the unit layout stores it, bit by bit from
+    ``UNIT_CODE_BITS``: stored word h, element e = nibble 4h + e // 2 of canonical word e % 2."""
+    from minite_kernels.w4a4_gemm_cuda import UNIT_CODE_BITS
+
+    out = [0, 0]
+    for h in range(2):
+        for e, bits in enumerate(UNIT_CODE_BITS):
+            nibble = ((w0, w1)[e % 2] & 0xFFFFFFFF) >> (4 * (4 * h + e // 2)) & 0xF
+            for b, at in enumerate(bits):
+                out[h] |= (nibble >> b & 1) << at
+    return [v - (1 << 32) if v >> 31 else v for v in out]
+
+
 def _unit_layout_by_reading_order(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The streamed kernel's unit layout built element by element from what each consumer thread
     reads (the canonical kernel's ``stream_raw``: rows r0 = 16 warp + lane / 4 and r0 + 8, code
-    words 2t, 2t + 1, 2t + 8, 2t + 9 and scale blocks t, t + 4 of each 128-element chunk)."""
+    words 2t, 2t + 1, 2t + 8, 2t + 9 and scale blocks t, t + 4 of each 128-element chunk), each
+    word pair's bits placed by ``_unit_pair``."""
     n, k = codes.shape[0], codes.shape[1] * 2
     tiles, folds = -(-n // 64), -(-k // 512)
     out = torch.zeros(tiles * folds, 18432, dtype=torch.uint8)
@@ -395,10 +410,10 @@ def _unit_layout_by_reading_order(codes: torch.Tensor, scales: torch.Tensor) -> 
                             return 0 if r is None else int(sc[r, 8 * ch + b])
 
                         r0, r1 = rows
-                        lo = [word(r0, 2 * t), word(r0, 2 * t + 1), word(r1, 2 * t)]
-                        lo += [word(r1, 2 * t + 1)]
-                        hi = [word(r0, 2 * t + 8), word(r0, 2 * t + 9), word(r1, 2 * t + 8)]
-                        hi += [word(r1, 2 * t + 9)]
+                        lo = _unit_pair(word(r0, 2 * t), word(r0, 2 * t + 1))
+                        lo += _unit_pair(word(r1, 2 * t), word(r1, 2 * t + 1))
+                        hi = _unit_pair(word(r0, 2 * t + 8), word(r0, 2 * t + 9))
+                        hi += _unit_pair(word(r1, 2 * t + 8), word(r1, 2 * t + 9))
                         at = (4 * c + warp) * 1024 + 16 * lane
                         unit[at : at + 16] = torch.tensor(lo, dtype=torch.int32).view(torch.uint8)
                         at += 512
@@ -407,6 +422,40 @@ def _unit_layout_by_reading_order(codes: torch.Tensor, scales: torch.Tensor) -> 
                         s4 = [scale(r0, t), scale(r1, t), scale(r0, t + 4), scale(r1, t + 4)]
                         unit[at : at + 4] = torch.tensor(s4, dtype=torch.uint8)
     return out.reshape(-1)
+
+
+def test_unit_layout_words_decode_to_the_canonical_pairs() -> None:
+    """The unit layout's bit placement and the kernel's ``decode_pair_unit`` agree: emulating its
+    pieces (w, w << 6, w rotated left by 10, and w rotated left by 12 or shifted left by 4, each
+    under its mask) on every stored word of random codes gives, for each stream p, the BF16 pair
+    pattern that ``decode_pair`` builds from the canonical words (code bits 0-2 at 6-8, bit 3 at
+    15, word 2t in the low half), before the scale multiply both share."""
+    pytest.importorskip("triton")
+    from minite_kernels.w4a4_gemm_cuda import unit_code_words
+
+    def rotl(x: int, n: int) -> int:
+        return (x << n | x >> (32 - n)) & 0xFFFFFFFF
+
+    def pattern(nibble: int) -> int:
+        return (nibble & 7) << 6 | (nibble & 8) << 12
+
+    pair, rot12 = 0x81C081C0, 0x00400040
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (24, 64), dtype=torch.uint8, generator=g)
+    codes[0] = 0xFF  # every bit set
+    canon = codes.view(torch.int32).tolist()
+    stored = unit_code_words(codes, rows=5).view(torch.int32).tolist()
+    for row, row_stored in zip(canon, stored, strict=True):
+        for j in range(0, len(row), 2):
+            w0, w1 = row[j] & 0xFFFFFFFF, row[j + 1] & 0xFFFFFFFF
+            for h in range(2):
+                w = row_stored[j + h] & 0xFFFFFFFF
+                pieces = [w & pair, (w << 6) & pair, rotl(w, 10) & pair]
+                pieces += [rotl(w, 12) & rot12 | (w << 4) & pair & ~rot12]
+                for i, t in enumerate(pieces):
+                    p = 4 * h + i
+                    want = pattern(w0 >> (4 * p) & 0xF) | pattern(w1 >> (4 * p) & 0xF) << 16
+                    assert t == want, (j, p)
 
 
 def test_unit_layout_is_the_consumers_reading_order() -> None:
