@@ -18,10 +18,6 @@ typedef unsigned long long u64;
 #define FOLD_CHUNKS 4  // 128-element chunks per 512-element fold chunk
 #define ROWS 64        // weight rows per CTA (one warpgroup, 16 per warp)
 
-// Two code words (element pairs at k-positions 2t, 2t+1 of each stream) and their E4M3 scale
-// byte -> eight BF16x2 registers, o[p] = (nibble p of w0, nibble p of w1) * scale * 2^-7.
-// A nibble n becomes the BF16 bits ((n&7)<<6 | (n&8)<<12) = code * 2^-126, and the scale is
-// pre-multiplied by 2^119 (exact): one BF16x2 multiply gives code * scale * 2^-7, exactly.
 // The E4M3 scale byte as a BF16x2 of scale * 2^119 in both halves (exact).
 __device__ __forceinline__ u32 scale_bf16x2(u32 scale_byte) {
   u32 s;
@@ -42,6 +38,10 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 scale_byte) {
   return s;
 }
 
+// Two code words (element pairs at k-positions 2t, 2t+1 of each stream) and their E4M3 scale
+// byte -> eight BF16x2 registers, o[p] = (nibble p of w0, nibble p of w1) * scale * 2^-7.
+// A nibble n becomes the BF16 bits ((n&7)<<6 | (n&8)<<12) = code * 2^-126, and the scale is
+// pre-multiplied by 2^119 (exact): one BF16x2 multiply gives code * scale * 2^-7, exactly.
 __device__ __forceinline__ void decode_pair(u32 w0, u32 w1, u32 scale_byte, u32 (&o)[8]) {
   const u32 s = scale_bf16x2(scale_byte);
 #pragma unroll
