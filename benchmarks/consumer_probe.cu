@@ -2,10 +2,11 @@
 // appended by the script to kernels/w4a4_gemm_sm90a.cu so that it runs the shipped functions:
 // each of a CTA's NWG warpgroups runs `units` units on a stage of fixed data in shared memory
 // (never refilled: no producer, no stream, no hand-off), and its thread 0 records the clock
-// cycles they took, at BM = 8 and 16 batch columns. MODE 0: the chains only (four chunks of eight m64n8k16 steps on fixed A
-// fragments, each chunk awaited, as stream_unit does); 1: stream_unit itself (the unit layout's
-// reads, the decode, the chains). (A third mode, the reads and decode alone, timed ~50 cycles per
-// unit: the compiler had dropped most of the decode, so it is not here.)
+// cycles they took, at BM = 8 and 16 batch columns. MODE 0: the chains only (four chunks of eight
+// m64n8k16 steps on fixed A fragments, each chunk awaited, as stream_unit does); 1: stream_unit
+// itself (the unit layout's reads, the decode, the chains). (A third mode, the reads and decode
+// alone, timed ~50 cycles per unit: the compiler had dropped most of the decode, so it is not
+// here.)
 
 struct ConsumerProbe {
   unsigned long long* cycles;  // [grid][NWG]
