@@ -38,6 +38,35 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 scale_byte) {
   return s;
 }
 
+// The four E4M3 scale bytes packed in `bytes` (byte j: scale j) as scale_bf16x2 of each, with one
+// E4M3x2 conversion per two scales (the same operations on the same values: the same bits).
+__device__ __forceinline__ void scales_bf16x2(u32 bytes, u32 (&s)[4]) {
+  asm("{\n"
+      ".reg .b16 lo, hi, h0, h1, h2, h3;\n"
+      ".reg .b32 p01, p23;\n"
+      ".reg .f32 f0, f1, f2, f3;\n"
+      "mov.b32 {lo, hi}, %4;\n"
+      "cvt.rn.f16x2.e4m3x2 p01, lo;\n"
+      "cvt.rn.f16x2.e4m3x2 p23, hi;\n"
+      "mov.b32 {h0, h1}, p01;\n"
+      "mov.b32 {h2, h3}, p23;\n"
+      "cvt.f32.f16 f0, h0;\n"
+      "cvt.f32.f16 f1, h1;\n"
+      "cvt.f32.f16 f2, h2;\n"
+      "cvt.f32.f16 f3, h3;\n"
+      "mul.rn.f32 f0, f0, 0f7B000000;\n"
+      "mul.rn.f32 f1, f1, 0f7B000000;\n"
+      "mul.rn.f32 f2, f2, 0f7B000000;\n"
+      "mul.rn.f32 f3, f3, 0f7B000000;\n"
+      "cvt.rn.bf16x2.f32 %0, f0, f0;\n"
+      "cvt.rn.bf16x2.f32 %1, f1, f1;\n"
+      "cvt.rn.bf16x2.f32 %2, f2, f2;\n"
+      "cvt.rn.bf16x2.f32 %3, f3, f3;\n"
+      "}\n"
+      : "=r"(s[0]), "=r"(s[1]), "=r"(s[2]), "=r"(s[3])
+      : "r"(bytes));
+}
+
 // Two code words (element pairs at k-positions 2t, 2t+1 of each stream) and their E4M3 scale
 // byte -> eight BF16x2 registers, o[p] = (nibble p of w0, nibble p of w1) * scale * 2^-7.
 // A nibble n becomes the BF16 bits ((n&7)<<6 | (n&8)<<12) = code * 2^-126, and the scale is
@@ -60,9 +89,8 @@ __device__ __forceinline__ void decode_pair(u32 w0, u32 w1, u32 scale_byte, u32 
 // a mix of w rotated left by 12 and w << 4 put them, under the BF16 pair mask, on the BF16 bits
 // 6, 7, 8 and 15 of its half): the same eight BF16x2 in 13 instructions per word (2 funnel
 // shifts, 5 masks on the integer pipe; 2 shifts as multiplies and 4 multiplies on the FMA pipe)
-// instead of 18 (10 on the integer pipe).
-__device__ __forceinline__ void decode_pair_unit(u32 wa, u32 wb, u32 scale_byte, u32 (&o)[8]) {
-  const u32 s = scale_bf16x2(scale_byte);
+// instead of 18 (10 on the integer pipe). s: the scale as scale_bf16x2 makes it.
+__device__ __forceinline__ void decode_pair_unit(u32 wa, u32 wb, u32 s, u32 (&o)[8]) {
   constexpr u32 PAIR = 0x81C081C0u, ROT12 = 0x00400040u;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -152,7 +180,8 @@ __device__ __forceinline__ void wgmma(Acc<64>& c, const u32 (&a)[4], u64 desc, i
 }
 
 // The raw weight data of one thread for one 128-element chunk: rows r0 and r0+8, words
-// {2t, 2t+1} and {2t+8, 2t+9}, and the scale bytes of blocks t and t+4 of both rows.
+// {2t, 2t+1} and {2t+8, 2t+9}, and the scale bytes of blocks t and t+4 of both rows (one per
+// s[j]; from the unit layout, unit_raw, all four packed in s[0]).
 struct Raw {
   u32 w[8];
   u32 s[4];
@@ -261,14 +290,17 @@ __device__ __forceinline__ void wait_previous_kernel() {
 }
 
 // A fragments of the 8 steps of a chunk: a[p] = {(r0, 2t..), (r1, 2t..), (r0, 2t+8..), (r1, 2t+8..)}.
-// UNIT: the words as the unit layout stores them (decode_pair_unit).
+// UNIT: the words as the unit layout stores them (decode_pair_unit) and the four scale bytes
+// packed in r.s[0] (unit_raw).
 template <bool UNIT = false>
 __device__ __forceinline__ void decode_raw(const Raw& r, u32 (&a)[8][4]) {
+  u32 s[4];
+  if constexpr (UNIT) scales_bf16x2(r.s[0], s);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     u32 o[8];
     if constexpr (UNIT)
-      decode_pair_unit(r.w[2 * j], r.w[2 * j + 1], r.s[j], o);
+      decode_pair_unit(r.w[2 * j], r.w[2 * j + 1], s[j], o);
     else
       decode_pair(r.w[2 * j], r.w[2 * j + 1], r.s[j], o);
 #pragma unroll
@@ -1266,7 +1298,8 @@ __device__ __forceinline__ void stream_raw(const unsigned char* stage, int r0, i
 
 // The same data from a stage in the unit layout: chunk c, warp w: two 512-byte blocks of 16 bytes
 // per lane (words 2t, 2t+1 of rows r0, r0 + 8, then words 2t + 8, 2t + 9), then the scales at
-// 16384 + (4 c + w) * 128, 4 bytes per lane (blocks t, t + 4 of rows r0, r0 + 8, in Raw's order).
+// 16384 + (4 c + w) * 128, 4 bytes per lane (blocks t, t + 4 of rows r0, r0 + 8, in Raw's order),
+// kept packed in r.s[0] for decode_raw<true>.
 __device__ __forceinline__ void unit_raw(const unsigned char* stage, int c, int warp, int lane,
                                          Raw& r) {
   const unsigned char* blk = stage + (c * 4 + warp) * 1024 + lane * 16;
@@ -1274,10 +1307,7 @@ __device__ __forceinline__ void unit_raw(const unsigned char* stage, int c, int 
   r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
   r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
   const u32 sc = *(const u32*)(stage + 16384 + (c * 4 + warp) * 128 + lane * 4);
-  r.s[0] = sc & 0xFFu;
-  r.s[1] = (sc >> 8) & 0xFFu;
-  r.s[2] = (sc >> 16) & 0xFFu;
-  r.s[3] = sc >> 24;
+  r.s[0] = sc;
 }
 
 // 16 bytes from global to shared memory (cp.async, L2 only).
