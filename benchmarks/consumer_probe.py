@@ -5,7 +5,8 @@
 The streamed small-batch GEMM (M <= 16) is the weight stream, its consumers' per-unit work and
 the split-K hand-off, and the three add up rather than hide one another
 (``benchmarks/RESULTS.md``, forty-sixth and forty-ninth sessions). This probe times the consumers
-alone: every CTA (one per SM) runs 1, 2 or 3 consumer warpgroups, each ``units`` times over one
+alone: every CTA (one per SM) runs 1-4 consumer warpgroups (``--warpgroups``; the shipped kernel
+has 2 or 3, a fourth would need registers moved from the producer), each ``units`` times over one
 stage of fixed data in shared memory (``benchmarks/consumer_probe.cu``, appended to the shipped
 ``kernels/w4a4_gemm_sm90a.cu`` so that it runs its very functions), in two modes: the wgmma
 chains alone, and the shipped per-unit work (``stream_unit``: the unit layout's reads, the decode,
@@ -47,8 +48,12 @@ def main() -> int:
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--stream-us", type=float, default=13.35,
                         help="the bare stream's time at N = K = 8192 (H100: 13.35 us)")  # fmt: skip
+    parser.add_argument("--warpgroups", default="1,2,3,4", help="consumer warpgroups per CTA")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    counts = [int(n) for n in args.warpgroups.split(",")]
+    if not all(1 <= n <= 4 for n in counts):
+        parser.error("--warpgroups: 1 to 4 per CTA (the probe's 512-thread launch bound)")
     found = gpu_device()
     if found is None:
         return 1
@@ -68,7 +73,7 @@ def main() -> int:
         " | 8192^2's units per SM take (us) |\n|---|---|---|---|---|---|---|"
     )
     results = []
-    for (mode, label), bm, nwg in itertools.product(MODES.items(), (8, 16), (1, 2, 3)):
+    for (mode, label), bm, nwg in itertools.product(MODES.items(), (8, 16), counts):
         cycles = torch.zeros(sms * nwg, dtype=torch.int64, device=device)
         p = Probe(cycles.data_ptr(), sink.data_ptr(), args.units)
         kernel = kernels[f"consumer_probe_{mode}_m{bm}"]

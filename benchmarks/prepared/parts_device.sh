@@ -14,7 +14,7 @@
 # Device (carry ["ab"]): bash benchmarks/prepared/parts_device.sh
 set -u
 source benchmarks/prepared/device_env.sh
-(cd benchmarks && timeout -s ABRT 120 python3 consumer_probe.py --out "$OUT/cp" 2>&1 | tail -14)
+(cd benchmarks && timeout -s ABRT 120 python3 consumer_probe.py --out "$OUT/cp" 2>&1 | tail -20)
 if grep -q H200 "$OUT/gpu.txt"; then
   (cd benchmarks && timeout -s ABRT 100 python3 stream_probe.py --out "$OUT/sp" 2>&1 | tail -16)
   timeout -s ABRT 240 python3 benchmarks/kernel_ab.py run --dir ab \
