@@ -8,8 +8,8 @@
 # - H100 (its table and the kernel test file ran in the fifty-second session): the other GPU test
 #   files (last run whole on 6e90825, before the streamed kernel's decode changes; ~2-4 min).
 #   Carry build/wheels too for the strict end-to-end test (gpu_suite_device.sh's header).
-# Prepare here (no GPU, ~4 min, the tree clean): parts_device.sh's `prepare` command with
-# `--rev prev=8574743` added, into `ab`. Device (carry ["ab"]): bash benchmarks/prepared/next_device.sh
+# Prepare here (no GPU, ~4 min, the tree clean): parts_device.sh's `prepare` command (into `ab`).
+# Device (carry ["ab"]): bash benchmarks/prepared/next_device.sh
 set -u
 source benchmarks/prepared/device_env.sh
 if ! grep -q H200 "$OUT/gpu.txt"; then
